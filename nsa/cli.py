@@ -1,0 +1,95 @@
+"""The `nsa` command: `nsa train [CONFIG] [key=value ...]`, `nsa config ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+CONFIG_HELP = "a YAML file (e.g. configs/m7c.yaml) or a preset name from configs/ (tiny, m7c)"
+
+
+def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """The first argument without '=' is the config file; the rest are key=value overrides."""
+    path, overrides = None, []
+    for arg in args:
+        if "=" in arg:
+            overrides.append(arg)
+        elif path is None:
+            path = arg
+        else:
+            raise UserError(f"unexpected argument '{arg}': give one config file, then key=value overrides")
+    return _find_config(path), overrides
+
+
+def _find_config(name: str | None) -> str | None:
+    """Accept a path, or a bare preset name looked up in ./configs and the source tree's configs/."""
+    if name is None or Path(name).exists() or name.endswith((".yaml", ".yml")):
+        return name
+    for folder in (Path("configs"), Path(__file__).resolve().parent.parent / "configs"):
+        candidate = folder / f"{name}.yaml"
+        if candidate.exists():
+            return str(candidate)
+    raise UserError(f"config '{name}' not found: give a YAML path such as configs/{name}.yaml")
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from .config import load_config
+    from .train.loop import train
+
+    path, overrides = _split_config_args(ns.args)
+    train(load_config(path, overrides))
+    return 0
+
+
+def _cmd_config(ns: argparse.Namespace) -> int:
+    import yaml
+
+    from .config import load_config
+    from .typed_config import describe_fields, to_dict
+
+    path, overrides = _split_config_args(ns.args)
+    cfg = load_config(path, overrides)
+    if ns.docs:
+        for key, value, doc in describe_fields(cfg):
+            print(f"{key} = {value!r}\n    {doc}")
+    else:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nsa", description="Native Sparse Attention language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "train",
+        help="train a model (no arguments: the tiny NSA model on the embedded corpus)",
+        description="Train a model. Settings come from the defaults, then CONFIG, then key=value overrides "
+        "(e.g. nsa train configs/m7c.yaml train.steps=100 model.n_layers=2). `nsa config --docs` lists every key.",
+    )
+    p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("config", help="print the resolved configuration (with --docs: every key and its meaning)")
+    p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP)
+    p.add_argument("--docs", action="store_true", help="list every key with its value and description")
+    p.set_defaults(func=_cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except UserError as e:
+        print(f"nsa: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""The NSA language model: configuration, layers and the transformer."""
+
+from .attention import DenseAttention, NSAAttention
+from .config import PRESETS, ModelConfig, NSAConfig, m7c, preset, tiny
+from .transformer import Transformer
+
+__all__ = [
+    "DenseAttention",
+    "ModelConfig",
+    "NSAAttention",
+    "NSAConfig",
+    "PRESETS",
+    "Transformer",
+    "m7c",
+    "preset",
+    "tiny",
+]

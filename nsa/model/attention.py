@@ -1,0 +1,109 @@
+"""Attention layers: NSAAttention (three gated branches) and DenseAttention (the SDPA baseline)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import nsa_attention
+from .compression import BlockCompressor
+from .config import ModelConfig
+from .rope import apply_rope
+
+BRANCHES = ("cmp", "sel", "win")
+
+
+class GateMLP(nn.Module):
+    """g[t, h, c] = sigmoid(MLP(x_t)): one gate per head and branch, in (cmp, sel, win) order."""
+
+    def __init__(self, dim: int, hidden: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.fc1 = nn.Linear(dim, hidden, bias=False)
+        self.fc2 = nn.Linear(hidden, n_heads * len(BRANCHES), bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.fc2(F.silu(self.fc1(x)))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return torch.sigmoid(logits).view(*x.shape[:-1], self.n_heads, len(BRANCHES))
+
+
+class NSAAttention(nn.Module):
+    """Native Sparse Attention layer.
+
+    One RoPE'd query projection; keys/values per branch (separate by default, or one
+    shared projection); keys of every branch are RoPE'd at their token positions, the
+    compressed keys before phi pools them; per-head sigmoid gates; output projection.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        nsa = cfg.nsa
+        self.cfg = cfg
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_kv_sets = 1 if nsa.shared_kv else len(BRANCHES)
+        kv_width = self.n_kv_sets * 2 * cfg.n_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wkv = nn.Linear(cfg.dim, kv_width, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.compress_k = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden)
+        self.compress_v = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden)
+        self.gate = GateMLP(cfg.dim, nsa.gate_hidden, cfg.n_heads)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Queries, per-branch keys/values (raw, RoPE'd where keys) and gates for x [B,T,dim]."""
+        b, t, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
+        kv = self.wkv(x).view(b, t, self.n_kv_sets, 2, self.n_kv_heads, self.head_dim)
+        keys = apply_rope(kv[:, :, :, 0].flatten(2, 3), cos, sin).view(b, t, self.n_kv_sets, self.n_kv_heads, -1)
+        values = kv[:, :, :, 1]
+        out = {"q": q, "gates": self.gate(x)}
+        for i, branch in enumerate(BRANCHES):
+            kv_set = i % self.n_kv_sets  # with shared_kv every branch reads set 0
+            out[f"k_{branch}"] = keys[:, :, kv_set]
+            out[f"v_{branch}"] = values[:, :, kv_set]
+        return out
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        p = self.project(x, cos, sin)
+        nsa = self.cfg.nsa
+        o = nsa_attention(
+            p["q"],
+            self.compress_k(p["k_cmp"]),
+            self.compress_v(p["v_cmp"]),
+            p["k_sel"],
+            p["v_sel"],
+            p["k_win"],
+            p["v_win"],
+            p["gates"].to(p["q"].dtype),
+            block_len=nsa.block_len,
+            block_stride=nsa.block_stride,
+            sel_block=nsa.sel_block,
+            n_sel=nsa.n_sel,
+            window=nsa.window,
+            backend=nsa.backend,
+        )
+        return self.wo(o.reshape(b, t, self.n_heads * self.head_dim))
+
+
+class DenseAttention(nn.Module):
+    """Causal grouped-query attention through PyTorch SDPA: the baseline NSA is measured against."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wkv = nn.Linear(cfg.dim, 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
+        k, v = self.wkv(x).view(b, t, 2, self.n_kv_heads, self.head_dim).unbind(2)
+        k = apply_rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        return self.wo(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

@@ -1,0 +1,42 @@
+"""phi: the learnable map from a block of l keys (or values) to one compressed token."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class BlockCompressor(nn.Module):
+    """Compress x [B,T,G,D] into [B,Nc,G,D], block i covering tokens [i*d, i*d + l).
+
+    kind='mean' averages each block. kind='mlp' adds to that mean an MLP of the
+    flattened block plus a learnable intra-block position embedding; the MLP's last
+    layer starts at zero so training begins from mean pooling.
+    """
+
+    def __init__(self, head_dim: int, block_len: int, block_stride: int, kind: str = "mlp", hidden: int = 128):
+        super().__init__()
+        self.block_len = block_len
+        self.block_stride = block_stride
+        self.kind = kind
+        if kind == "mlp":
+            self.pos = nn.Parameter(torch.empty(block_len, head_dim))
+            self.fc1 = nn.Linear(block_len * head_dim, hidden, bias=False)
+            self.fc2 = nn.Linear(hidden, head_dim, bias=False)
+            self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        if self.kind == "mlp":
+            nn.init.normal_(self.pos, std=std)
+            nn.init.normal_(self.fc1.weight, std=std)
+            nn.init.zeros_(self.fc2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, g, d = x.shape
+        if t < self.block_len:
+            return x.new_zeros(b, 0, g, d)
+        blocks = x.unfold(1, self.block_len, self.block_stride).transpose(-1, -2)  # [B,Nc,G,l,D]
+        mean = blocks.mean(dim=-2)
+        if self.kind == "mean":
+            return mean
+        return mean + self.fc2(nn.functional.silu(self.fc1((blocks + self.pos).flatten(-2))))

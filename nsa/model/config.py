@@ -1,0 +1,126 @@
+"""Model configuration and the named presets (`tiny`, `m7c`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import ConfigError
+
+
+@dataclass
+class NSAConfig:
+    """Native Sparse Attention hyper-parameters (DESIGN.md section 1)."""
+
+    block_len: int = 32
+    """Compression block length l: raw tokens summarised by one compressed token."""
+    block_stride: int = 16
+    """Compression stride d between compressed blocks; must divide block_len and sel_block."""
+    sel_block: int = 64
+    """Selection block length l': the unit the selected branch attends to."""
+    n_sel: int = 16
+    """Selected blocks per query n, including the forced ones (block 0, current, previous); >= 3."""
+    window: int = 512
+    """Sliding-window length w of the window branch."""
+    phi: Literal["mlp", "mean"] = "mlp"
+    """Compression function: 'mean' pools a block; 'mlp' adds a zero-initialised MLP of the block to that mean."""
+    phi_hidden: int = 128
+    """Hidden width of the compression MLP (phi='mlp')."""
+    gate_hidden: int = 64
+    """Hidden width of the gate MLP that produces one sigmoid gate per head and branch."""
+    shared_kv: bool = False
+    """Share one key/value projection across the three branches (the paper uses separate ones)."""
+    backend: Literal["auto", "reference"] = "auto"
+    """Attention implementation: 'auto' picks the fastest correct one for the device, 'reference' forces the pure-PyTorch oracle."""
+
+
+@dataclass
+class ModelConfig:
+    """A LLaMA-style decoder: pre-norm RMSNorm, SwiGLU MLP, RoPE, no biases, tied embeddings."""
+
+    attention: Literal["nsa", "dense"] = "nsa"
+    """'nsa' for Native Sparse Attention; 'dense' for causal SDPA, the baseline."""
+    vocab_size: int = 0
+    """Embedding rows; 0 takes the tokenizer's vocabulary padded up to a multiple of 64."""
+    dim: int = 128
+    """Model (residual stream) width."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads per layer."""
+    n_kv_heads: int = 2
+    """Key/value heads (GQA groups); must divide n_heads."""
+    head_dim: int = 32
+    """Width of each attention head (queries, keys and values)."""
+    mlp_hidden: int = 384
+    """Hidden width of the SwiGLU MLP."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    nsa: NSAConfig = field(default_factory=lambda: NSAConfig(
+        block_len=16, block_stride=8, sel_block=32, n_sel=4, window=64, phi_hidden=64, gate_hidden=32
+    ))
+    """NSA hyper-parameters (used when attention='nsa')."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the offending key and a fix."""
+        if self.n_heads < 1 or self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
+            options = [g for g in range(1, self.n_heads + 1) if self.n_heads % g == 0] if self.n_heads > 0 else [1]
+            raise ConfigError(
+                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads}); "
+                f"choose n_kv_heads among {', '.join(map(str, options))}"
+            )
+        for key in ("dim", "n_layers", "head_dim", "mlp_hidden"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim ({self.head_dim}) must be even for RoPE")
+        if self.vocab_size < 0:
+            raise ConfigError(f"model.vocab_size must be >= 0 (0 = from the tokenizer), got {self.vocab_size}")
+        if self.attention == "nsa":
+            _validate_nsa(self.nsa)
+
+
+def _validate_nsa(c: NSAConfig) -> None:
+    for key in ("block_len", "block_stride", "sel_block", "window", "phi_hidden", "gate_hidden"):
+        if getattr(c, key) < 1:
+            raise ConfigError(f"model.nsa.{key} must be >= 1, got {getattr(c, key)}")
+    if c.block_len % c.block_stride or c.sel_block % c.block_stride:
+        raise ConfigError(
+            f"model.nsa.block_stride ({c.block_stride}) must divide model.nsa.block_len ({c.block_len}) "
+            f"and model.nsa.sel_block ({c.sel_block}); e.g. block_stride=16, block_len=32, sel_block=64"
+        )
+    if c.n_sel < 3:
+        raise ConfigError(f"model.nsa.n_sel must be >= 3 to hold the three forced blocks, got {c.n_sel}")
+
+
+def tiny() -> ModelConfig:
+    """A CPU-friendly NSA model (~0.8M parameters with the byte vocabulary)."""
+    return ModelConfig()
+
+
+def m7c() -> ModelConfig:
+    """M7C: 12 layers, dim 768, 12 query / 2 kv heads of 64, NSA 32/16/64/16/512, GPT-2 vocabulary."""
+    return ModelConfig(
+        vocab_size=50304,
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        n_kv_heads=2,
+        head_dim=64,
+        mlp_hidden=2048,
+        nsa=NSAConfig(),
+    )
+
+
+PRESETS = {"tiny": tiny, "m7c": m7c}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset '{name}'; choose one of {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name]())

@@ -1,0 +1,87 @@
+"""The decoder-only language model: embeddings, pre-norm blocks, tied output head."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import DenseAttention, NSAAttention
+from .compression import BlockCompressor
+from .config import ModelConfig
+from .rope import RotaryEmbedding
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = NSAAttention(cfg) if cfg.attention == "nsa" else DenseAttention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """LLaMA-style decoder with NSA or dense attention (DESIGN.md section 3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError("ModelConfig.vocab_size must be resolved (> 0) before building the model")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) weights; residual outputs scaled by 1/sqrt(2 * n_layers); phi starts at mean."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, nn.RMSNorm):
+                module.reset_parameters()
+        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for layer in self.layers:
+            nn.init.normal_(layer.attn.wo.weight, std=residual_std)
+            nn.init.normal_(layer.mlp.w_down.weight, std=residual_std)
+        for module in self.modules():
+            if isinstance(module, BlockCompressor):
+                module.reset_parameters()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B,T,V] for tokens [B,T]; with targets, the mean cross-entropy (targets -1 ignored)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = self.rope(positions)
+        x = self.tok_emb(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)

@@ -1,0 +1,14 @@
+"""NSA attention ops: the public entry points and the pure-PyTorch reference."""
+
+from . import reference
+from .api import BACKENDS, nsa_attention, select_blocks
+from .geometry import num_compressed_blocks, num_selection_blocks
+
+__all__ = [
+    "BACKENDS",
+    "nsa_attention",
+    "select_blocks",
+    "reference",
+    "num_compressed_blocks",
+    "num_selection_blocks",
+]

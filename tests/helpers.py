@@ -1,0 +1,43 @@
+"""Shared test helpers: random NSA inputs at given shapes."""
+
+from __future__ import annotations
+
+import torch
+
+from nsa.ops.geometry import num_compressed_blocks
+
+NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
+
+
+def nsa_inputs(B, T, H, G, Dk, Dv, *, block_len, block_stride, dtype=torch.float32, seed=0, requires_grad=False):
+    """Random q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates (gates in (0, 1))."""
+    g = torch.Generator().manual_seed(seed)
+    nc = num_compressed_blocks(T, block_len, block_stride)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    tensors = [
+        rnd(B, T, H, Dk),
+        rnd(B, nc, G, Dk),
+        rnd(B, nc, G, Dv),
+        rnd(B, T, G, Dk),
+        rnd(B, T, G, Dv),
+        rnd(B, T, G, Dk),
+        rnd(B, T, G, Dv),
+        torch.rand(B, T, H, 3, generator=g, dtype=torch.float64).to(dtype),
+    ]
+    if requires_grad:
+        for t in tensors:
+            t.requires_grad_(True)
+    return tensors
+
+
+def naive_masked_attention(q, k, v, allowed, scale):
+    """softmax(q k^T * scale) v over allowed [T,S] keys, written out directly; q [B,T,H,D], k/v [B,S,G,D]."""
+    h = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(h, dim=2)
+    v = v.repeat_interleave(h, dim=2)
+    logits = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(logits, -1), v)

@@ -1,0 +1,97 @@
+"""Typed config: YAML presets, key=value overrides, one-line errors, documented fields."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from nsa.config import RunConfig, load_config
+from nsa.errors import ConfigError
+from nsa.model import m7c
+from nsa.typed_config import apply_overrides, field_docs, to_dict
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def all_dataclasses(cls, seen=None):
+    seen = seen if seen is not None else []
+    seen.append(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default) and type(default) not in seen:
+            all_dataclasses(type(default), seen)
+    return seen
+
+
+def test_every_config_field_has_a_docstring():
+    for cls in all_dataclasses(RunConfig):
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+def test_tiny_yaml_is_the_default_run():
+    assert load_config(str(CONFIGS / "tiny.yaml")) == load_config(None)
+
+
+def test_m7c_yaml_is_the_m7c_preset_with_the_seed_training_recipe():
+    cfg = load_config(str(CONFIGS / "m7c.yaml"))
+    assert cfg.model == m7c()
+    t = cfg.train
+    assert (t.seq_len, t.lr, t.weight_decay, t.warmup_steps, t.grad_clip, t.steps, t.checkpoint_every, t.seed) == (
+        2048, 2e-4, 0.01, 2000, 1.0, 50000, 5000, 1337
+    )
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(
+        str(CONFIGS / "m7c.yaml"),
+        ["train.steps=100", "model.n_layers=2", "model.nsa.phi=mean", "train.betas=[0.8, 0.9]", "train.lr=1e-3",
+         "model.nsa.shared_kv=true", "train.run_name=abc"],
+    )
+    assert cfg.train.steps == 100 and cfg.model.n_layers == 2 and cfg.model.nsa.phi == "mean"
+    assert cfg.train.betas == (0.8, 0.9) and cfg.train.lr == 1e-3 and cfg.model.nsa.shared_kv is True
+    assert cfg.train.run_name == "abc" and cfg.model.dim == 768
+
+
+def test_to_dict_round_trips():
+    cfg = apply_overrides(RunConfig(), ["train.steps=7"])
+    from nsa.typed_config import from_dict
+
+    assert from_dict(RunConfig, to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.stpes=3", r"unknown config key 'train.stpes' \(did you mean 'train.steps'\?\)"),
+        ("modle.dim=3", r"unknown config key 'modle' \(did you mean 'model'\?\)"),
+        ("train.steps=many", r"train.steps='many' is not valid: expected an integer"),
+        ("model.attention=flash", r"expected one of 'nsa', 'dense'"),
+        ("model.nsa.block_stride=5", r"model.nsa.block_stride \(5\) must divide model.nsa.block_len"),
+        ("model.nsa.sel_block=20", r"must divide .* model.nsa.sel_block \(20\)"),
+        ("model.n_kv_heads=3", r"model.n_heads \(4\) must be divisible by model.n_kv_heads \(3\); choose n_kv_heads among 1, 2, 4"),
+        ("model.nsa.n_sel=2", r"model.nsa.n_sel must be >= 3"),
+        ("train.steps=0", r"train.steps must be >= 1"),
+        ("data.val_fraction=1.5", r"data.val_fraction must be in \[0, 1\)"),
+        ("train.lr", r"not of the form key=value"),
+        ("model.head_dim=31", r"must be even for RoPE"),
+    ],
+)
+def test_bad_values_give_one_line_errors_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(None, [override])
+    assert "\n" not in str(info.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("train:\n  warmup: 10\n")
+    with pytest.raises(ConfigError, match="did you mean 'train.warmup_steps'"):
+        load_config(str(typo))

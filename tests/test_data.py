@@ -1,0 +1,82 @@
+"""Tokenizer, sources, packing, splits and the resumable batch order."""
+
+import numpy as np
+import pytest
+
+from nsa.data.config import DataConfig
+from nsa.data.packing import ShuffledBatches, TokenWindows, build_splits, pack, split_documents
+from nsa.data.sources import embedded_corpus, text_files
+from nsa.data.tokenizers import ByteTokenizer, get_tokenizer, padded_vocab_size
+from nsa.errors import ConfigError, UserError
+
+
+def test_byte_tokenizer_round_trips_unicode():
+    tok = get_tokenizer("byte")
+    text = "In the beginning — ἐν ἀρχῇ ✓"
+    ids = tok.encode(text)
+    assert ids.max() < 256 and tok.decode(ids) == text
+    assert tok.decode([*ids[:3], tok.eot_id]) == text[:3]
+    assert padded_vocab_size(tok.vocab_size) == 320
+    with pytest.raises(ConfigError, match="unknown"):
+        get_tokenizer("sentencepiece")
+
+
+def test_embedded_corpus_is_real_english_split_into_chapters():
+    docs = list(embedded_corpus())
+    assert len(docs) == 1189
+    assert docs[0].startswith("Genesis 1\n") and "In the beginning God created" in docs[0]
+    assert sum(map(len, docs)) > 4_000_000
+
+
+def test_pack_puts_end_of_text_between_documents_and_truncates_nothing():
+    tok = ByteTokenizer()
+    docs = ["abc", "de", "f"]
+    stream = pack(docs, tok)
+    assert stream.tolist() == [97, 98, 99, 256, 100, 101, 256, 102, 256]
+
+
+def test_validation_documents_are_held_out_and_spread():
+    docs = [f"doc{i}" for i in range(40)]
+    train, val = split_documents(docs, 0.1)
+    assert val == [f"doc{i}" for i in range(9, 40, 10)]
+    assert not set(train) & set(val) and len(train) + len(val) == 40
+
+
+def test_windows_give_shifted_targets():
+    windows = TokenWindows(np.arange(50), seq_len=8)
+    assert len(windows) == 6  # (50 - 1) // 8
+    x, y = windows.batch([0, 5])
+    assert x[0].tolist() == list(range(8)) and y[0].tolist() == list(range(1, 9))
+    assert x[1].tolist() == list(range(40, 48)) and y[1].tolist() == list(range(41, 49))
+
+
+def test_batches_cover_each_window_once_per_epoch_and_resume_exactly():
+    sampler = ShuffledBatches(num_windows=10, batch_size=3, seed=4)
+    first_epoch = [i for _ in range(3) for i in sampler.next_indices()] + sampler.next_indices()[:1]
+    assert sorted(first_epoch) == list(range(10))
+    state = sampler.state_dict()
+    expected = [sampler.next_indices() for _ in range(7)]
+    resumed = ShuffledBatches(num_windows=10, batch_size=3, seed=4)
+    resumed.load_state_dict(state)
+    assert [resumed.next_indices() for _ in range(7)] == expected
+
+
+def test_text_files_source_reads_a_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha " * 200)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("beta " * 200)
+    (tmp_path / "skip.md").write_text("not text")
+    assert [d[:5] for d in text_files(str(tmp_path))] == ["alpha", "beta "]
+    # Two documents are too few to hold one out at val_fraction 0.1: the stream's tail is held out.
+    train, val = build_splits(DataConfig(source="text", path=str(tmp_path), val_fraction=0.1), ByteTokenizer(), 32)
+    assert len(train.tokens) + len(val.tokens) == 1200 + 1000 + 2
+
+
+def test_source_errors_are_one_line_and_name_the_fix(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        list(text_files(str(tmp_path / "missing")))
+    with pytest.raises(UserError, match="holds no .txt files"):
+        list(text_files(str(tmp_path)))
+    (tmp_path / "small.txt").write_text("tiny")
+    with pytest.raises(UserError, match="fewer than one window"):
+        build_splits(DataConfig(source="text", path=str(tmp_path), val_fraction=0), ByteTokenizer(), 64)

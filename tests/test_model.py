@@ -1,0 +1,87 @@
+"""The model: presets, parameter count, forward/backward for NSA and dense, phi, RoPE."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from nsa.model import Transformer, m7c, preset, tiny
+from nsa.model.compression import BlockCompressor
+from nsa.model.rope import RotaryEmbedding, apply_rope
+
+
+def small(**changes):
+    return dataclasses.replace(tiny(), vocab_size=96, **changes)
+
+
+def test_m7c_has_about_125m_parameters_and_the_design_shape():
+    cfg = m7c()
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden) == (768, 12, 12, 2, 64, 2048)
+    n = cfg.nsa
+    assert (n.block_len, n.block_stride, n.sel_block, n.n_sel, n.window, n.phi) == (32, 16, 64, 16, 512, "mlp")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+        dense = Transformer(dataclasses.replace(cfg, attention="dense"))
+    assert 120e6 <= model.num_parameters() <= 125e6
+    assert dense.num_parameters() < model.num_parameters()
+    assert model.lm_head.weight is model.tok_emb.weight
+
+
+def test_preset_lookup():
+    assert preset("m7c") == m7c() and preset("tiny") == tiny()
+    from nsa.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        preset("m8x")
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_forward_backward_reaches_every_parameter(attention):
+    torch.manual_seed(0)
+    model = Transformer(small(attention=attention))
+    tokens = torch.randint(0, 96, (2, 80))
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(96.0)).item()) < 0.5
+    loss.backward()
+    # phi's last layer starts at zero, so one step first makes the paths through it live.
+    no_grad = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not no_grad, no_grad
+    zero = [n for n, p in model.named_parameters() if p.grad.abs().max() == 0 and "compress" not in n]
+    assert not zero, zero
+    logits = model(tokens)
+    assert logits.shape == (2, 80, 96)
+
+
+def test_shared_kv_uses_one_projection_for_all_branches():
+    sep = Transformer(small())
+    shared = Transformer(small(nsa=dataclasses.replace(small().nsa, shared_kv=True)))
+    width = lambda m: m.layers[0].attn.wkv.weight.shape[0]  # noqa: E731
+    assert width(sep) == 3 * width(shared)
+    tokens = torch.randint(0, 96, (1, 40))
+    assert torch.isfinite(shared(tokens[:, :-1], tokens[:, 1:]))
+
+
+def test_mlp_phi_starts_as_mean_pooling_and_then_learns():
+    comp = BlockCompressor(head_dim=8, block_len=4, block_stride=2, kind="mlp", hidden=16)
+    x = torch.randn(2, 11, 3, 8)
+    out = comp(x)
+    assert out.shape == (2, 4, 3, 8)  # Nc = (11 - 4) // 2 + 1
+    expected = torch.stack([x[:, i * 2 : i * 2 + 4].mean(1) for i in range(4)], dim=1)
+    torch.testing.assert_close(out, expected)
+    out.pow(2).sum().backward()
+    assert comp.fc2.weight.grad.abs().max() > 0
+    assert BlockCompressor(8, 4, 2, "mean")(x[:, :3]).shape == (2, 0, 3, 8)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    rope = RotaryEmbedding(16, 10000.0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
+    def score(pq, pk):
+        cq, sq = rope(torch.tensor([pq]))
+        ck, sk = rope(torch.tensor([pk]))
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum()
+
+    torch.testing.assert_close(score(5, 2), score(105, 102))
+    torch.testing.assert_close(score(1000, 990), score(10, 0), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(score(5, 2), score(5, 3))
