@@ -115,3 +115,12 @@ def test_low_precision_inputs_compute_in_float32_and_return_input_dtype():
     half = nsa_attention(*[t.to(torch.bfloat16) for t in inputs], **hp)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_empty_sequence_gives_an_empty_output():
+    hp = dict(block_len=4, block_stride=2, sel_block=8, n_sel=3, window=6)
+    inputs = nsa_inputs(2, 0, 4, 2, 8, 6, block_len=4, block_stride=2, requires_grad=True)
+    out = nsa_attention(*inputs, **hp)
+    assert out.shape == (2, 0, 4, 6)
+    grads = torch.autograd.grad(out.sum(), inputs)
+    assert all(g.shape == x.shape for g, x in zip(grads, inputs))

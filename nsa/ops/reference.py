@@ -291,6 +291,9 @@ def nsa_attention(
         block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window,
     )
     out_dtype = q.dtype
+    if q.shape[1] == 0:  # empty sequence: an empty output, still connected to every input
+        tie = sum(t.sum() for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))
+        return q.new_zeros(*q.shape[:-1], v_sel.shape[-1]) + 0 * tie.to(out_dtype)
     dtype = _compute_dtype(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = (
         t.to(dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
