@@ -87,3 +87,39 @@ def test_python_dash_m_nsa_prints_the_resolved_config():
     ).stdout
     cfg = yaml.safe_load(out)
     assert cfg["model"]["dim"] == 768 and cfg["train"]["steps"] == 3
+
+
+def test_gradient_accumulation_matches_one_large_batch():
+    from nsa.data.packing import ShuffledBatches, build_splits
+    from nsa.data.tokenizers import ByteTokenizer
+    from nsa.train.loop import autocast_context, resolve_vocab, train_step
+    from nsa.train.optim import build_optimizer, build_scheduler
+
+    results = []
+    for batch, accum in ((8, 1), (4, 2)):
+        cfg = resolve_vocab(load_config(None, FAST + [f"train.batch_size={batch}", f"train.grad_accum={accum}"]), ByteTokenizer())
+        windows, _ = build_splits(cfg.data, ByteTokenizer(), cfg.train.seq_len)
+        torch.manual_seed(0)
+        model = Transformer(cfg.model)
+        opt = build_optimizer(model, cfg.train, torch.device("cpu"))
+        sched = build_scheduler(opt, cfg.train)
+        sampler = ShuffledBatches(len(windows), batch, seed=3)
+        loss, norm = train_step(model, opt, sched, windows, sampler, cfg, torch.device("cpu"),
+                                lambda: autocast_context("fp32", torch.device("cpu")))
+        results.append((loss, norm, [p.detach().clone() for p in model.parameters()]))
+    (l1, n1, p1), (l2, n2, p2) = results
+    torch.testing.assert_close(l1, l2)
+    torch.testing.assert_close(n1, n2)
+    for a, b in zip(p1, p2):
+        torch.testing.assert_close(a, b)
+
+
+def test_lr_schedule_warms_up_linearly_then_follows_a_cosine_to_the_floor():
+    from nsa.train.config import TrainConfig
+    from nsa.train.optim import lr_factor
+
+    cfg = TrainConfig(steps=110, warmup_steps=10, min_lr_ratio=0.1)
+    f = [lr_factor(s, cfg) for s in range(111)]
+    assert f[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
+    assert f[10] == pytest.approx(1.0) and f[60] == pytest.approx(0.55) and f[110] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
