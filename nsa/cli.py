@@ -60,6 +60,23 @@ def _cmd_config(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _cmd_bench_attention(ns: argparse.Namespace) -> int:
+    from .bench import attention
+
+    attention.run(
+        shapes=ns.shapes.split(","), lengths=ns.lengths, out_dir=ns.out, backward=not ns.forward_only,
+        use_fla=not ns.no_fla, breakdown_at=ns.components, sweep_at=ns.sweep,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nsa", description="Native Sparse Attention language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +94,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP)
     p.add_argument("--docs", action="store_true", help="list every key with its value and description")
     p.set_defaults(func=_cmd_config)
+
+    bench = sub.add_parser("bench", help="benchmarks (GPU): attention").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser(
+        "attention",
+        help="NSA kernels vs dense SDPA (flash) and fla parallel_nsa, forward and forward+backward",
+        description="Times NSA (all branches and gates) against dense causal attention of the same shape, and "
+        "against fla-core's parallel_nsa where it runs, in one run on one GPU; prints a table and writes CSV/JSON.",
+    )
+    p.add_argument("--shapes", default="m7c,paper", help="comma-separated: m7c (12/2/64), paper (64/4/128)")
+    p.add_argument("--lengths", type=_int_list, default="2048,4096,8192,16384,32768,65536,131072",
+                   help="comma-separated sequence lengths")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")
+    p.add_argument("--forward-only", action="store_true", help="skip forward+backward timings")
+    p.add_argument("--no-fla", action="store_true", help="skip fla-core's parallel_nsa")
+    p.add_argument("--components", type=_int_list, default=[], metavar="T,...",
+                   help="also time every forward/backward stage at these lengths")
+    p.add_argument("--sweep", type=int, default=None, metavar="T",
+                   help="also time forward+backward as each kernel launch parameter varies, at length T")
+    p.set_defaults(func=_cmd_bench_attention)
     return parser
 
 

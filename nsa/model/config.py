@@ -31,8 +31,8 @@ class NSAConfig:
     """Hidden width of the gate MLP that produces one sigmoid gate per head and branch."""
     shared_kv: bool = False
     """Share one key/value projection across the three branches (the paper uses separate ones)."""
-    backend: Literal["auto", "reference"] = "auto"
-    """Attention implementation: 'auto' picks the fastest correct one for the device, 'reference' forces the pure-PyTorch oracle."""
+    backend: Literal["auto", "reference", "triton"] = "auto"
+    """Attention implementation: 'auto' is the Triton kernels on CUDA and the reference elsewhere; 'reference' forces the pure-PyTorch oracle (for debugging); 'triton' forces the kernels."""
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The public NSA ops: validate arguments, then run the chosen backend.
 
-`backend="auto"` picks the fastest correct implementation for the inputs' device;
-today that is the pure-PyTorch reference everywhere. `backend="reference"`
-forces the oracle (for debugging a fast path).
+`backend="auto"` picks the fastest correct implementation for the inputs' device:
+the Triton kernels on CUDA, the pure-PyTorch reference elsewhere. `backend="reference"`
+forces the oracle (for debugging a fast path); `backend="triton"` forces the kernels.
 """
 
 from __future__ import annotations
@@ -12,13 +12,21 @@ import torch
 from . import reference
 from .validation import check_nsa_inputs, check_select_inputs
 
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "triton")
 
 
-def _resolve(backend: str, device: torch.device) -> str:
+def _resolve(backend: str, device: torch.device, seq_len: int) -> str:
+    from . import triton as triton_backend
+
     if backend not in BACKENDS:
         raise ValueError(f"unknown NSA backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    return "reference"
+    if backend == "reference" or seq_len == 0:
+        return "reference"
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_backend.installed() else "reference"
+    if not triton_backend.available(device):
+        raise ValueError(f"backend='triton' needs a CUDA device (got {device}) and the triton package")
+    return "triton"
 
 
 def nsa_attention(
@@ -49,12 +57,13 @@ def nsa_attention(
         q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
         block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window,
     )
-    _resolve(backend, q.device)
-    return reference.nsa_attention(
-        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-        block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window,
-        scale=scale,
-    )
+    hyper = dict(block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window)
+    if _resolve(backend, q.device, q.shape[1]) == "triton":
+        from .triton.attention import nsa_attention_triton
+
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper, scale=scale)
+    return reference.nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper, scale=scale)
 
 
 def select_blocks(
@@ -70,7 +79,10 @@ def select_blocks(
 ) -> torch.Tensor:
     """Selected block indices [B,T,G,n] (int64, ascending, unused slots -1)."""
     check_select_inputs(q, k_cmp, block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel)
-    _resolve(backend, q.device)
-    return reference.select_blocks(
-        q, k_cmp, block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, scale=scale
-    )
+    hyper = dict(block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel)
+    if _resolve(backend, q.device, q.shape[1]) == "triton":
+        from .triton.attention import select_blocks_triton
+
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return select_blocks_triton(q, k_cmp, **hyper, scale=scale)
+    return reference.select_blocks(q, k_cmp, **hyper, scale=scale)

@@ -284,8 +284,13 @@ def nsa_attention(
     n_sel: int,
     window: int,
     scale: float | None = None,
+    indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """o [B,T,H,Dv] = sum over branches c of gates[..., c] * o_c (DESIGN.md section 1)."""
+    """o [B,T,H,Dv] = sum over branches c of gates[..., c] * o_c (DESIGN.md section 1).
+
+    `indices` replaces the selection (e.g. to check a fast path's output on its own choice
+    of near-tied blocks); by default the blocks are selected as the contract says.
+    """
     check_nsa_inputs(
         q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
         block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window,
@@ -298,9 +303,10 @@ def nsa_attention(
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = (
         t.to(dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
     )
-    indices = select_blocks(
-        q, k_cmp, block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, scale=scale
-    )
+    if indices is None:
+        indices = select_blocks(
+            q, k_cmp, block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, scale=scale
+        )
     o_cmp = compressed_attention(q, k_cmp, v_cmp, block_len=block_len, block_stride=block_stride, scale=scale)
     o_sel = selected_attention(q, k_sel, v_sel, indices, sel_block=sel_block, scale=scale)
     o_win = window_attention(q, k_win, v_win, window=window, scale=scale)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the kernel tests at real shapes, then `nsa bench attention`.
+# Run from the repository root; extra arguments go to `nsa bench attention`.
+# Wheels in .whl/ (e.g. fla-core, for the comparison) are installed to /tmp/site first.
+set -o pipefail
+OUT=${OUT:-/tmp/nsa-gpu-check}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+python3 -m pytest -q -x tests/test_triton_gpu.py tests/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m nsa bench attention --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"

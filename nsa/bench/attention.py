@@ -1,0 +1,239 @@
+"""`nsa bench attention`: NSA kernels against dense SDPA (flash) and fla-core's parallel_nsa.
+
+All numbers in one run on one GPU, bf16, batch 1, NSA with every branch and the gates
+(l=32, d=16, l'=64, n=16, w=512). fla's parallel_nsa runs only where its group-size
+rule allows (h a power of two >= 16) and, without flash-attn, has no window branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+from ..ops import nsa_attention
+from ..ops.geometry import num_compressed_blocks
+from .common import environment, format_table, time_cuda, write_results
+
+SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128)}
+"""name: (query heads, key/value heads, Dk, Dv)."""
+LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536, 131072]
+HP = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+
+
+def make_inputs(T: int, H: int, G: int, Dk: int, Dv: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator("cuda").manual_seed(seed)
+    nc = num_compressed_blocks(T, HP["block_len"], HP["block_stride"])
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    ins = [rnd(1, T, H, Dk), rnd(1, nc, G, Dk), rnd(1, nc, G, Dv), rnd(1, T, G, Dk), rnd(1, T, G, Dv),
+           rnd(1, T, G, Dk), rnd(1, T, G, Dv),
+           torch.rand(1, T, H, 3, generator=g, device="cuda", dtype=torch.bfloat16)]
+    return [t.requires_grad_() for t in ins]
+
+
+def _fwd_bwd(forward, tensors):
+    do = None
+
+    def step():
+        nonlocal do
+        for t in tensors:
+            t.grad = None
+        out = forward()
+        if do is None:
+            do = torch.randn_like(out)
+        out.backward(do)
+
+    return step
+
+
+def _nsa(ins):
+    return lambda: nsa_attention(*ins, **HP)
+
+
+def _dense(ins):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = ins[0], ins[3], ins[4]
+    h = q.shape[2] // k.shape[2]
+    qd = q.detach().transpose(1, 2).contiguous().requires_grad_()
+    kd = k.detach().repeat_interleave(h, 2).transpose(1, 2).contiguous().requires_grad_()
+    vd = v.detach().repeat_interleave(h, 2).transpose(1, 2).contiguous().requires_grad_()
+
+    def fwd():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+
+    return fwd, [qd, kd, vd]
+
+
+def _fla(ins):
+    """fla's parallel_nsa over our selected-branch keys/values, or None where it refuses the shape."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from fla.ops.nsa import parallel_nsa
+    except ImportError:
+        return None
+    q, k, v, gates = ins[0], ins[3], ins[4], ins[7]
+    h = q.shape[2] // k.shape[2]
+    if h < 16 or h & (h - 1):
+        return None
+    qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    gc, gs = (gates[..., i].detach().contiguous() for i in (0, 1))
+
+    def fwd():
+        return parallel_nsa(qf, kf, vf, g_cmp=gc, g_slc=gs, block_counts=HP["n_sel"], block_size=HP["sel_block"])
+
+    return fwd, [qf, kf, vf]
+
+
+def _timed(fn) -> float | None:
+    try:
+        return time_cuda(fn)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def compare(shape: str, T: int, backward: bool, use_fla: bool) -> dict:
+    H, G, Dk, Dv = SHAPES[shape]
+    row = {"shape": f"{shape} {H}/{G}/{Dk}", "T": T}
+    try:
+        ins = make_inputs(T, H, G, Dk, Dv)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return row
+    dense_fwd, dense_tensors = _dense(ins)
+    fla = _fla(ins) if use_fla else None
+    with torch.no_grad():
+        row["nsa_fwd_ms"] = _timed(_nsa(ins))
+        row["dense_fwd_ms"] = _timed(dense_fwd)
+        row["fla_fwd_ms"] = _timed(fla[0]) if fla else None
+    if backward:
+        row["nsa_fwdbwd_ms"] = _timed(_fwd_bwd(_nsa(ins), ins))
+        row["dense_fwdbwd_ms"] = _timed(_fwd_bwd(dense_fwd, dense_tensors))
+        row["fla_fwdbwd_ms"] = _timed(_fwd_bwd(*fla)) if fla else None
+    for kind in ("fwd", "fwdbwd"):
+        nsa, dense, fla_ms = (row.get(f"{who}_{kind}_ms") for who in ("nsa", "dense", "fla"))
+        row[f"speedup_{kind}"] = dense / nsa if nsa and dense else None
+        row[f"vs_fla_{kind}"] = fla_ms / nsa if nsa and fla_ms else None
+    del ins, dense_tensors, fla
+    torch.cuda.empty_cache()
+    return row
+
+
+def components(shape: str, T: int) -> list[dict]:
+    """Milliseconds of every stage of the NSA forward and backward at one length."""
+    from ..ops.triton import attention as A
+    from ..ops.triton.range_attention import MODE_CMP, MODE_WIN, range_attention_bwd, range_attention_fwd
+    from ..ops.triton.selected_attention import selected_attention_bwd, selected_attention_fwd
+    from ..ops.triton.selection import select_blocks_fwd
+
+    H, G, Dk, Dv = SHAPES[shape]
+    q, kc, vc, ks, vs, kw, vw, gates = (t.detach() for t in make_inputs(T, H, G, Dk, Dv))
+    scale = Dk**-0.5
+    l, d, lp, n, w = (HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel", "window"))
+    o_cmp, lse_cmp = range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, w)
+    idx = select_blocks_fwd(q, kc, lse_cmp, scale, l, d, lp, n)
+    o_sel, lse_sel = selected_attention_fwd(q, ks, vs, idx, scale, lp)
+    o_win, lse_win = range_attention_fwd(q, kw, vw, MODE_WIN, scale, l, d, w)
+    do = torch.randn_like(o_cmp)
+    delta = torch.rand(q.shape[:3], device="cuda")
+    dq = torch.zeros(q.shape, device="cuda")
+    stages = {
+        "fwd: compressed attention": lambda: range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, w),
+        "fwd: scoring + top-n": lambda: select_blocks_fwd(q, kc, lse_cmp, scale, l, d, lp, n),
+        "fwd: selected attention": lambda: selected_attention_fwd(q, ks, vs, idx, scale, lp),
+        "fwd: window attention": lambda: range_attention_fwd(q, kw, vw, MODE_WIN, scale, l, d, w),
+        "fwd: gated combine": lambda: A._combine(gates, o_cmp, o_sel, o_win),
+        "bwd: gate grads + deltas": lambda: torch.stack(
+            [(do.float() * o.float()).sum(-1) for o in (o_cmp, o_sel, o_win)], -1),
+        "bwd: compressed": lambda: range_attention_bwd(q, kc, vc, do, gates[..., 0], lse_cmp, delta, dq, MODE_CMP,
+                                                       True, scale, l, d, w),
+        "bwd: selected (dq + inverse index + dk/dv)": lambda: selected_attention_bwd(
+            q, ks, vs, idx, do, gates[..., 1], lse_sel, delta, dq, True, scale, lp),
+        "bwd: window": lambda: range_attention_bwd(q, kw, vw, do, gates[..., 2], lse_win, delta, dq, MODE_WIN,
+                                                   True, scale, l, d, w),
+    }
+    rows = [{"shape": shape, "T": T, "stage": name, "ms": _timed(fn)} for name, fn in stages.items()]
+    torch.cuda.empty_cache()
+    return rows
+
+
+SWEEP = {
+    "range_block_m": [32, 64, 128],
+    "range_block_n": [32, 64, 128],
+    "range_warps": [4, 8],
+    "range_stages": [1, 2, 3],
+    "select_block_t": [16, 32],
+    "select_warps": [4, 8],
+    "sel_warps": [1, 2, 4],
+    "sel_stages": [1, 2, 3],
+    "dkdv_block_r": [32, 64, 128],
+    "dkdv_warps": [4, 8],
+    "inverse_chunk": [128, 256, 512],
+}
+
+
+def sweep(shape: str, T: int) -> list[dict]:
+    """Forward+backward time as each launch parameter varies alone around the defaults."""
+    from ..ops.triton import tuning
+
+    H, G, Dk, Dv = SHAPES[shape]
+    ins = make_inputs(T, H, G, Dk, Dv)
+    step = _fwd_bwd(_nsa(ins), ins)
+    base = dataclasses.replace(tuning.TUNING)
+    rows = []
+    try:
+        for field, values in SWEEP.items():
+            for value in values:
+                for f in dataclasses.fields(base):
+                    setattr(tuning.TUNING, f.name, getattr(base, f.name))
+                setattr(tuning.TUNING, field, value)
+                try:
+                    ms = _timed(step)
+                except Exception as e:  # a variant that does not compile (e.g. out of shared memory)
+                    ms = None
+                    print(f"  {field}={value}: {type(e).__name__}")
+                rows.append({"shape": shape, "T": T, "param": field, "value": value, "fwdbwd_ms": ms})
+    finally:
+        for f in dataclasses.fields(base):
+            setattr(tuning.TUNING, f.name, getattr(base, f.name))
+    return rows
+
+
+def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = True, use_fla: bool = True,
+        breakdown_at: list[int] | None = None, sweep_at: int | None = None) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise UserError("nsa bench attention needs a CUDA GPU")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise UserError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
+    meta = environment() | {"hyperparameters": HP, "dtype": "bfloat16", "batch": 1,
+                            "shapes": {s: SHAPES[s] for s in shapes}}
+    print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  git {meta['git']}")
+    rows = []
+    for shape in shapes:
+        for T in lengths:
+            rows.append(compare(shape, T, backward, use_fla))
+            print(format_table(rows[-1:], list(rows[-1])).splitlines()[-1], flush=True)
+    columns = ["shape", "T", "nsa_fwd_ms", "dense_fwd_ms", "fla_fwd_ms", "speedup_fwd", "nsa_fwdbwd_ms",
+               "dense_fwdbwd_ms", "fla_fwdbwd_ms", "speedup_fwdbwd", "vs_fla_fwdbwd"]
+    print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
+    paths = write_results(rows, out_dir, "attention", meta)
+    for T in breakdown_at or []:
+        parts = [r for shape in shapes for r in components(shape, T)]
+        print("\n" + format_table(parts, ["shape", "T", "stage", "ms"]))
+        paths += write_results(parts, out_dir, f"attention_components_{T}", meta)
+    if sweep_at:
+        tuned = [r for shape in shapes for r in sweep(shape, sweep_at)]
+        print("\n" + format_table(tuned, ["shape", "T", "param", "value", "fwdbwd_ms"]))
+        paths += write_results(tuned, out_dir, f"attention_sweep_{sweep_at}", meta)
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return rows

@@ -1,0 +1,92 @@
+"""Shared benchmark plumbing: CUDA-event timing, environment facts, table and CSV/JSON output."""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def time_cuda(fn, *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50, budget_ms: float = 400.0) -> float:
+    """Median milliseconds of fn() measured with CUDA events, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    first = start.elapsed_time(end)
+    reps = int(min(max_reps, max(min_reps, budget_ms // max(first, 1e-3))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment() -> dict:
+    import triton
+
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git": _git_revision(),
+    }
+    try:
+        import fla
+
+        env["fla"] = getattr(fla, "__version__", "installed")
+    except ImportError:
+        env["fla"] = None
+    return env
+
+
+def write_results(rows: list[dict], out_dir: str | Path, name: str, meta: dict) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path = out / f"{name}.csv", out / f"{name}.json"
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path.write_text(json.dumps({"environment": meta, "rows": rows}, indent=1))
+    return csv_path, json_path
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    table = [columns] + [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,115 @@
+"""NSA on Triton: the branch kernels composed into PyTorch custom ops with autograd.
+
+`nsa::forward` and `nsa::backward` are opaque to torch.compile (registered with fake
+implementations), so a compiled model neither breaks its graph on them nor traces
+into them. Inputs are cast to q's dtype (what autocast produced for q); all kernels
+accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .range_attention import MODE_CMP, MODE_WIN, range_attention_bwd, range_attention_fwd
+from .selected_attention import selected_attention_bwd, selected_attention_fwd
+from .selection import select_blocks_fwd
+
+_F32 = torch.float32
+
+
+def _combine(gates: Tensor, o_cmp: Tensor, o_sel: Tensor, o_win: Tensor) -> Tensor:
+    g = gates.to(_F32).unsqueeze(-1)
+    out = g[..., 0, :] * o_cmp.to(_F32) + g[..., 1, :] * o_sel.to(_F32) + g[..., 2, :] * o_win.to(_F32)
+    return out.to(o_cmp.dtype)
+
+
+@torch.library.custom_op("nsa::forward", mutates_args=())
+def nsa_forward(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
+    gates: Tensor, block_len: int, block_stride: int, sel_block: int, n_sel: int, window: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices); all but o are kept for backward."""
+    o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, scale, block_len, block_stride, window)
+    indices = select_blocks_fwd(q, k_cmp, lse_cmp, scale, block_len, block_stride, sel_block, n_sel)
+    o_sel, lse_sel = selected_attention_fwd(q, k_sel, v_sel, indices, scale, sel_block)
+    o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
+    return _combine(gates, o_cmp, o_sel, o_win), o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices
+
+
+@nsa_forward.register_fake
+def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block, n_sel, window, scale):
+    B, T, H, _ = q.shape
+    G, Dv = k_sel.shape[2], v_sel.shape[-1]
+    o = q.new_empty(B, T, H, Dv)
+    lse = q.new_empty(B, T, H, dtype=_F32)
+    idx = q.new_empty(B, T, G, n_sel, dtype=torch.int64)
+    return o, torch.empty_like(o), lse, torch.empty_like(o), torch.empty_like(lse), torch.empty_like(o), \
+        torch.empty_like(lse), idx
+
+
+@torch.library.custom_op("nsa::backward", mutates_args=())
+def nsa_backward(
+    do: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
+    gates: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_sel: Tensor, lse_sel: Tensor, o_win: Tensor, lse_win: Tensor,
+    indices: Tensor, block_len: int, block_stride: int, sel_block: int, window: int, scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients for (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)."""
+    do = do.contiguous()
+    dof = do.to(_F32)
+    # d o / d g_c = o_c, and each branch's softmax needs delta_c = rowsum(g_c * do * o_c) = g_c * dg_c.
+    dgates = torch.stack([(dof * o.to(_F32)).sum(-1) for o in (o_cmp, o_sel, o_win)], dim=-1)
+    delta = (gates.to(_F32) * dgates).contiguous()
+    dq = torch.empty(q.shape, device=q.device, dtype=_F32)
+    dk_win, dv_win = range_attention_bwd(q, k_win, v_win, do, gates[..., 2], lse_win, delta[..., 2].contiguous(), dq,
+                                         MODE_WIN, False, scale, block_len, block_stride, window)
+    dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, do, gates[..., 0], lse_cmp, delta[..., 0].contiguous(), dq,
+                                         MODE_CMP, True, scale, block_len, block_stride, window)
+    dk_sel, dv_sel = selected_attention_bwd(q, k_sel, v_sel, indices, do, gates[..., 1], lse_sel,
+                                            delta[..., 1].contiguous(), dq, True, scale, sel_block)
+    grads = (dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates)
+    inputs = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, inputs))
+
+
+@nsa_backward.register_fake
+def _(do, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *rest):
+    return tuple(torch.empty_like(x) for x in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block, _, window, scale = inputs
+    _, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices = output
+    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
+                          o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices)
+    ctx.hyper = (block_len, block_stride, sel_block, window, scale)
+
+
+def _backward(ctx, do, *_unused):
+    grads = nsa_backward(do, *ctx.saved_tensors, *ctx.hyper)
+    return (*grads, None, None, None, None, None, None)
+
+
+nsa_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _last_dim_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
+    t = t.to(dtype)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_len, block_stride,
+                         sel_block, n_sel, window, scale) -> Tensor:
+    dtype = q.dtype
+    args = [_last_dim_contiguous(t, dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
+    return nsa_forward(*args, gates.to(dtype), block_len, block_stride, sel_block, n_sel, window, float(scale))[0]
+
+
+@torch.no_grad()
+def select_blocks_triton(q, k_cmp, *, block_len, block_stride, sel_block, n_sel, scale) -> Tensor:
+    q = _last_dim_contiguous(q, q.dtype)
+    k_cmp = _last_dim_contiguous(k_cmp, q.dtype)
+    # The compressed branch's log-sum-exp normalises p_cmp; its values output is not needed here.
+    _, lse = range_attention_fwd(q, k_cmp, k_cmp, MODE_CMP, float(scale), block_len, block_stride, 1)
+    return select_blocks_fwd(q, k_cmp, lse, float(scale), block_len, block_stride, sel_block, n_sel)
+

@@ -1,0 +1,126 @@
+"""Selection: Eq. 9 block scores, the group sum and top-n with forced blocks, in one streaming pass.
+
+One program per (tile of BLOCK_T tokens, key/value group). It walks the selection
+blocks in chunks of K, recomputing p_cmp = exp(q.k_cmp * scale - lse_cmp) for the
+compressed tokens that start inside the chunk, maps them to selection-block scores
+with the overlap weights (a small exact-fp32 matrix product), sums the group's heads,
+and merges the chunk into a running top-K list per token. No [T, Nc] or [T, Ns]
+matrix ever exists.
+
+A compressed token starting in chunk c can reach into chunk c + 1 (it spans l
+tokens); that part is carried over. Ranking uses one int64 key per block:
+(float bits of the score) << 32 | (2^32 - 1 - j), so larger scores win and equal
+scores go to the lower j; forced blocks get the bits of +inf, non-candidates -1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .range_attention import LOG2E
+from .tuning import TUNING
+
+
+@triton.jit
+def _overlap(tok_start, j, block_len, sel_block, block_stride):
+    """|[tok_start, tok_start + l) ∩ [j*l', (j+1)*l')| / d for broadcastable index tensors."""
+    lo = tl.maximum(tok_start, j * sel_block)
+    hi = tl.minimum(tok_start + block_len, (j + 1) * sel_block)
+    return tl.maximum(hi - lo, 0).to(tl.float32) / block_stride
+
+
+@triton.jit
+def _select_kernel(
+    Q, KC, LSE, IDX,
+    sqb, sqt, sqh, skb, skt, skg, slb, slt, sib, sit, sig,
+    T, NC, G, h, scale_log2, block_len, block_stride, sel_block, n_sel, chunk_tokens,
+    DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_T: tl.constexpr, HP: tl.constexpr,
+    K: tl.constexpr, C: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = pid_bg % G
+    dk = tl.arange(0, BLOCK_DK)
+    # Rows: BLOCK_T tokens x HP (>= h, a power of two) heads, token-major, so heads sum by a reshape.
+    r = tl.arange(0, BLOCK_T * HP)
+    rt = pid_t * BLOCK_T + r // HP
+    rh = r % HP
+    row_ok = (rt < T) & (rh < h)
+    head = (g * h + tl.where(rh < h, rh, 0)).to(tl.int64)
+    rt64 = rt.to(tl.int64)
+    q = tl.load(Q + b * sqb + rt64[:, None] * sqt + head[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    lse2 = tl.load(LSE + b * slb + rt64 * slt + head, mask=row_ok, other=0.0) * 1.4426950408889634
+
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    j_t = tok // sel_block
+    t_last = tl.minimum(T - 1, pid_t * BLOCK_T + BLOCK_T - 1)
+    n_chunks = (t_last // sel_block) // K + 1
+
+    jj = tl.arange(0, K)
+    ci_local = tl.arange(0, C)
+    best = tl.full([BLOCK_T, K], -1, tl.int64)
+    carry = tl.zeros([BLOCK_T, K], tl.float32)
+    kbase = KC + b * skb + g * skg
+    for c in range(n_chunks):
+        j0 = c * K
+        ci = (j0 * sel_block) // block_stride + ci_local  # compressed tokens starting in this chunk
+        ci_ok = (ci_local < chunk_tokens) & (ci < NC)
+        kc = tl.load(kbase + ci.to(tl.int64)[:, None] * skt + dk[None, :],
+                     mask=ci_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        s = tl.dot(q, tl.trans(kc)) * scale_log2
+        visible = (ci[None, :] * block_stride + block_len - 1 <= rt[:, None]) & ci_ok[None, :] & row_ok[:, None]
+        p = tl.exp2(tl.where(visible, s - lse2[:, None], float("-inf")))
+        p_tok = tl.sum(tl.reshape(p, [BLOCK_T, HP, C]), axis=1)  # group sum over heads
+        starts = (ci * block_stride)[:, None]
+        w_cur = tl.where(ci_ok[:, None], _overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
+        w_nxt = tl.where(ci_ok[:, None], _overlap(starts, (j0 + K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
+        # Exact fp32 products: the ranking must match the reference's, ties included.
+        score = tl.dot(p_tok, w_cur, input_precision="ieee") + carry
+        carry = tl.dot(p_tok, w_nxt, input_precision="ieee")
+
+        j = (j0 + jj)[None, :].to(tl.int64)
+        candidate = j <= j_t[:, None]
+        forced = (j == 0) | (j == j_t[:, None]) | (j == j_t[:, None] - 1)
+        bits = score.to(tl.int32, bitcast=True).to(tl.int64)
+        bits = tl.where(forced, 0x7F800000, bits)
+        key = bits * 4294967296 + (4294967295 - j)
+        key = tl.where(candidate, key, -1)
+        best = tl.topk(tl.reshape(tl.join(best, key), [BLOCK_T, 2 * K]), K)
+
+    # `best` is sorted by key, descending: keep the first n_sel, then order them by block index.
+    chosen = tl.where((best >= 0) & (jj[None, :] < n_sel), 4294967295 - (best & 4294967295), -1)
+    BIG: tl.constexpr = 2147483647
+    chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG))  # ascending; padding sorts last
+    chosen = tl.where(chosen == BIG, -1, chosen)
+    tl.store(IDX + b * sib + tok.to(tl.int64)[:, None] * sit + g * sig + jj[None, :], chosen,
+             mask=(tok[:, None] < T) & (jj[None, :] < n_sel))
+
+
+def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, scale: float,
+                      block_len: int, block_stride: int, sel_block: int, n_sel: int) -> torch.Tensor:
+    """Indices [B,T,G,n_sel] (int64, ascending, -1 padded) from q, k_cmp and the compressed branch's lse."""
+    B, T, H, Dk = q.shape
+    NC, G = k_cmp.shape[1], k_cmp.shape[2]
+    h = H // G
+    # The running list must hold n and each chunk must contain every block a compressed token reaches into.
+    K = max(16, triton.next_power_of_2(n_sel), triton.next_power_of_2(-(-block_len // sel_block) + 1))
+    chunk_tokens = K * sel_block // block_stride
+    idx = torch.empty(B, T, G, n_sel, device=q.device, dtype=torch.int64)
+    hp = triton.next_power_of_2(h)
+    on_gpu = q.device.type == "cuda"
+    block_t = TUNING.select_block_t if on_gpu else 16
+    grid = (triton.cdiv(T, block_t), B * G)
+    _select_kernel[grid](
+        q, k_cmp, lse_cmp, idx,
+        q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+        lse_cmp.stride(0), lse_cmp.stride(1), idx.stride(0), idx.stride(1), idx.stride(2),
+        T, NC, G, h, scale * LOG2E, block_len, block_stride, sel_block, n_sel, chunk_tokens,
+        DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
+        HP=hp, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)),
+        num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
+    )
+    return idx

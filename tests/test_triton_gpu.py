@@ -1,0 +1,114 @@
+"""The Triton kernels on a GPU at real shapes in bf16 (skipped without CUDA; run on the GPU machine,
+results recorded in benchmarks/RESULTS.md)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import NAMES, assert_same_selection, nsa_inputs
+from nsa.ops import nsa_attention, reference, select_blocks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+
+HP = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+SELECT_HP = {k: HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel")}
+# name: (H, G, Dk, Dv)
+SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128), "dk192": (16, 1, 192, 128)}
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def bf16_inputs(B, T, name, seed=0, requires_grad=True):
+    H, G, Dk, Dv = SHAPES[name]
+    ins = nsa_inputs(B, T, H, G, Dk, Dv, block_len=32, block_stride=16, seed=seed)
+    return [t.cuda().to(torch.bfloat16).requires_grad_(requires_grad) for t in ins]
+
+
+@pytest.mark.parametrize(
+    "name,T",
+    [("m7c", 1000), ("m7c", 2081), ("m7c", 8192), ("paper", 2048), ("paper", 8192), ("dk192", 4133)],
+)
+def test_bf16_kernels_match_the_float32_reference(name, T):
+    ins = bf16_inputs(1, T, name, seed=T)
+    idx = select_blocks(ins[0], ins[1], **SELECT_HP, backend="triton")
+    f32 = [t.detach().float().requires_grad_() for t in ins]
+    ref_idx = reference.select_blocks(f32[0], f32[1], **SELECT_HP)
+    scores = reference.selection_scores(f32[0], f32[1], block_len=32, block_stride=16, sel_block=64)
+    assert_same_selection(idx, ref_idx, scores, rtol=1e-3)
+    assert (idx != ref_idx).any(-1).float().mean() < 0.01, "more than 1% of selections differ"
+
+    out = nsa_attention(*ins, **HP, backend="triton")
+    # Compare on the kernel's own selection so that near-tie swaps do not count as errors.
+    ref = reference.nsa_attention(*f32, **HP, indices=idx)
+    assert rel_err(out, ref) < 1e-2
+    do = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, ins, do.to(torch.bfloat16))
+    ref_grads = torch.autograd.grad(ref, f32, do)
+    for grad_name, g, r in zip(NAMES, grads, ref_grads):
+        assert torch.isfinite(g).all(), grad_name
+        assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
+
+
+@pytest.mark.parametrize("T", [65536, 131072])
+def test_long_sequences_stay_finite_and_agree_with_their_prefix(T):
+    ins = bf16_inputs(1, T, "m7c", seed=1)
+    out = nsa_attention(*ins, **HP, backend="triton")
+    assert torch.isfinite(out).all()
+    out.backward(torch.randn_like(out))
+    for name, t in zip(NAMES, ins):
+        assert torch.isfinite(t.grad).all(), name
+    # Causality: the first 4096 outputs of the long run equal a 4096-token run.
+    n = 4096
+    nc = (n - 32) // 16 + 1
+    short = [ins[0][:, :n], ins[1][:, :nc], ins[2][:, :nc]] + [t[:, :n] for t in ins[3:]]
+    torch.testing.assert_close(out[:, :n], nsa_attention(*short, **HP, backend="triton"), rtol=0, atol=0)
+
+
+def test_int64_offsets_beyond_two_billion_elements():
+    # B=2 at 128k tokens x 64 heads x 128 dims: element offsets of the second sequence exceed 2^31.
+    ins = bf16_inputs(2, 131072, "paper", seed=2, requires_grad=False)
+    with torch.no_grad():
+        both = nsa_attention(*ins, **HP, backend="triton")
+        second = nsa_attention(*[t[1:] for t in ins], **HP, backend="triton")
+    assert torch.isfinite(both).all()
+    torch.testing.assert_close(both[1:], second, rtol=0, atol=0)
+
+
+def test_torch_compile_keeps_one_graph_and_the_same_numbers():
+    from nsa.model import Transformer, tiny
+
+    ins = bf16_inputs(1, 1500, "m7c", seed=3)
+
+    def f(*xs):
+        return nsa_attention(*xs, **HP)
+
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(*ins), f(*ins), rtol=0, atol=0)
+    cfg = dataclasses.replace(tiny(), vocab_size=320)
+    model = Transformer(cfg).cuda()
+    tokens = torch.randint(0, 320, (2, 257), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = model(tokens[:, :-1], tokens[:, 1:])
+        compiled_model = torch.compile(model, fullgraph=True)
+        loss = compiled_model(tokens[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(loss, eager, rtol=1e-3, atol=1e-3)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_model_under_autocast_matches_the_reference_backend():
+    from nsa.model import Transformer, tiny
+
+    cfg = dataclasses.replace(tiny(), vocab_size=320)
+    torch.manual_seed(0)
+    fast = Transformer(cfg).cuda()
+    slow = Transformer(dataclasses.replace(cfg, nsa=dataclasses.replace(cfg.nsa, backend="reference"))).cuda()
+    slow.load_state_dict(fast.state_dict())
+    tokens = torch.randint(0, 320, (2, 600), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a = fast(tokens[:, :-1], tokens[:, 1:])
+        b = slow(tokens[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,148 @@
+"""Triton kernels against the reference: outputs, selected blocks and every gradient.
+
+Without a GPU these run in Triton's CPU interpreter (tests/conftest.py), whose cost
+grows with the number of programs, so the shapes are tiny. With a GPU the same tests
+run the compiled kernels (fp32 dots then use tf32, hence the looser tolerance).
+"""
+
+import pytest
+import torch
+
+from helpers import NAMES, assert_same_selection, nsa_inputs
+from nsa.ops import nsa_attention, reference, select_blocks
+from nsa.ops.triton.range_attention import MODE_CMP, range_attention_fwd
+from nsa.ops.triton.selected_attention import inverse_index, selected_attention_bwd, selected_attention_fwd
+from nsa.ops.triton.selection import select_blocks_fwd
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = dict(rtol=2e-2, atol=2e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-5)
+
+
+def inputs(*shape, dtype=torch.float32, requires_grad=False, **kw):
+    ins = nsa_inputs(*shape, dtype=dtype, **kw)
+    return [t.to(DEVICE).requires_grad_(requires_grad) for t in ins]
+
+
+# (B, T, H, G, Dk, Dv, l, d, l', n, w): group sizes 1, 3, 6 and 16; odd T; T shorter than a block; Dk != Dv.
+CASES = [
+    (1, 29, 2, 2, 8, 8, 8, 4, 8, 3, 7),
+    (2, 37, 6, 2, 8, 6, 8, 4, 8, 4, 9),
+    (1, 41, 6, 1, 16, 8, 8, 4, 16, 3, 9),
+    (1, 23, 16, 1, 4, 4, 8, 4, 8, 3, 5),
+    (2, 7, 2, 1, 4, 4, 8, 4, 8, 3, 3),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[1]}-h{c[2] // c[3]}" for c in CASES])
+def test_triton_nsa_matches_reference_forward_and_every_gradient(case):
+    B, T, H, G, Dk, Dv, l, d, lp, n, w = case
+    hp = dict(block_len=l, block_stride=d, sel_block=lp, n_sel=n, window=w)
+    ins = inputs(B, T, H, G, Dk, Dv, block_len=l, block_stride=d, seed=T, requires_grad=True)
+    out = nsa_attention(*ins, **hp, backend="triton")
+    ref = nsa_attention(*ins, **hp, backend="reference")
+    torch.testing.assert_close(out, ref, **TOL)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, ins, do)
+    ref_grads = torch.autograd.grad(ref, ins, do)
+    for name, g, r in zip(NAMES, grads, ref_grads):
+        torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
+
+
+def test_triton_nsa_in_half_precision():
+    hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
+    ins = inputs(1, 33, 4, 2, 16, 16, block_len=8, block_stride=4, seed=1, dtype=torch.float16, requires_grad=True)
+    out = nsa_attention(*ins, **hp, backend="triton")
+    assert out.dtype == torch.float16
+    f32 = [t.detach().float().requires_grad_() for t in ins]
+    ref = nsa_attention(*f32, **hp, backend="reference")
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    do = torch.randn_like(ref)
+    for name, g, r in zip(NAMES, torch.autograd.grad(out, ins, do.half()), torch.autograd.grad(ref, f32, do)):
+        assert g.dtype == torch.float16
+        torch.testing.assert_close(g.float(), r, rtol=3e-2, atol=3e-2, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "T,H,G,l,d,lp,n",
+    [
+        (100, 2, 1, 8, 4, 4, 5),  # 25 selection blocks: two chunks of 16, with carry-over (l > d)
+        (90, 3, 3, 6, 3, 9, 4),  # l'/d = 3: a chunk is not a power of two compressed tokens
+        (70, 4, 2, 4, 2, 2, 20),  # n > 16: running list of 32
+        (40, 6, 1, 16, 4, 4, 3),  # l = 4 l': a compressed token spans four selection blocks
+    ],
+)
+def test_selection_kernel_matches_reference(T, H, G, l, d, lp, n):
+    q, k_cmp, *_ = inputs(1, T, H, G, 8, 8, block_len=l, block_stride=d, seed=T)
+    idx = select_blocks(q, k_cmp, block_len=l, block_stride=d, sel_block=lp, n_sel=n, backend="triton")
+    ref = reference.select_blocks(q, k_cmp, block_len=l, block_stride=d, sel_block=lp, n_sel=n)
+    scores = reference.selection_scores(q, k_cmp, block_len=l, block_stride=d, sel_block=lp)
+    assert idx.shape == ref.shape and idx.dtype == torch.int64
+    assert_same_selection(idx, ref, scores, rtol=1e-5 if DEVICE == "cpu" else 1e-2)
+
+
+def test_selection_ties_go_to_the_lower_block():
+    # q = 0: every visible compressed token gets the same probability, so many block scores tie exactly.
+    q, k_cmp, *_ = inputs(1, 80, 2, 1, 8, 8, block_len=4, block_stride=4, seed=0)
+    q = torch.zeros_like(q)
+    idx = select_blocks(q, k_cmp, block_len=4, block_stride=4, sel_block=4, n_sel=5, backend="triton")
+    assert torch.equal(idx, reference.select_blocks(q, k_cmp, block_len=4, block_stride=4, sel_block=4, n_sel=5))
+
+
+def test_inverse_index_lists_every_query_of_every_block_in_chunks():
+    torch.manual_seed(0)
+    B, T, G, n, Ns = 2, 30, 2, 3, 8
+    idx = torch.randint(-1, Ns, (B, T, G, n))
+    key, start, count, tokens = inverse_index(idx.to(DEVICE), Ns, chunk=3)
+    key, start, count, tokens = key.cpu(), start.cpu(), count.cpu(), tokens.cpu()
+    assert count.max() <= 3
+    got = {}
+    for k, s, c in zip(key.tolist(), start.tolist(), count.tolist()):
+        if c:
+            got.setdefault(k, []).extend(tokens[s : s + c].tolist())
+    want = {}
+    for b in range(B):
+        for t in range(T):
+            for g in range(G):
+                for j in idx[b, t, g].tolist():
+                    if j >= 0:
+                        want.setdefault((b * G + g) * Ns + j, []).append(t)
+    assert got == want
+
+
+def test_selected_backward_with_many_work_items_per_block():
+    # chunk=2 splits every block's query list into several items that add their partial dK/dV atomically.
+    B, T, H, G, l, d, lp, n = 1, 40, 4, 2, 8, 4, 8, 3
+    q, k_cmp, _, k, v, _, _, gates = inputs(B, T, H, G, 8, 8, block_len=l, block_stride=d, seed=3)
+    idx = reference.select_blocks(q, k_cmp, block_len=l, block_stride=d, sel_block=lp, n_sel=n)
+    scale = 8**-0.5
+    o, lse = selected_attention_fwd(q, k, v, idx, scale, lp)
+    do = torch.randn_like(o)
+    gate = gates[..., 1]
+    delta = (gate * (do * o).sum(-1)).contiguous()
+    dq = torch.zeros(q.shape, device=DEVICE)
+    dk, dv = selected_attention_bwd(q, k, v, idx, do, gate, lse, delta, dq, False, scale, lp, chunk=2)
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = reference.selected_attention(qq, kk, vv, idx, sel_block=lp)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (qq, kk, vv), do * gate[..., None])
+    for got, want in ((dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_compressed_kernel_reports_minus_infinity_lse_where_nothing_is_visible():
+    q, k_cmp, v_cmp, *_ = inputs(1, 20, 2, 1, 8, 8, block_len=8, block_stride=4, seed=2)
+    o, lse = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, 0.3, 8, 4, 1)
+    assert torch.isinf(lse[:, :7]).all() and (o[:, :7] == 0).all()
+    assert torch.isfinite(lse[:, 7:]).all()
+    idx = select_blocks_fwd(q, k_cmp, lse, 0.3, 8, 4, 8, 3)
+    assert idx[0, 0, 0].tolist() == [0, -1, -1]
+
+
+def test_auto_backend_is_triton_on_cuda_and_the_reference_elsewhere():
+    from nsa.ops.api import _resolve
+
+    assert _resolve("auto", torch.device("cuda"), 10) == "triton"
+    assert _resolve("auto", torch.device("cpu"), 10) == "reference"  # the interpreter only when asked for
+    assert _resolve("reference", torch.device("cuda"), 10) == "reference"
+    assert _resolve("triton", torch.device("cuda"), 0) == "reference"  # empty sequences need no kernel
+    with pytest.raises(ValueError, match="unknown NSA backend"):
+        _resolve("flash", torch.device("cpu"), 10)
