@@ -10,5 +10,5 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
-python3 -m pytest -q -x tests/test_triton_gpu.py tests/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q tests/test_triton_gpu.py tests/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_tests.log"
 python3 -m nsa bench attention --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -11,7 +11,7 @@ import torch
 from helpers import NAMES, assert_same_selection, nsa_inputs
 from nsa.ops import nsa_attention, reference, select_blocks
 from nsa.ops.triton.range_attention import MODE_CMP, range_attention_fwd
-from nsa.ops.triton.selected_attention import inverse_index, selected_attention_bwd, selected_attention_fwd
+from nsa.ops.triton.selected_attention import inverse_index
 from nsa.ops.triton.selection import select_blocks_fwd
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,40 +92,40 @@ def test_inverse_index_lists_every_query_of_every_block_in_chunks():
     torch.manual_seed(0)
     B, T, G, n, Ns = 2, 30, 2, 3, 8
     idx = torch.randint(-1, Ns, (B, T, G, n))
-    key, start, count, tokens = inverse_index(idx.to(DEVICE), Ns, chunk=3)
-    key, start, count, tokens = key.cpu(), start.cpu(), count.cpu(), tokens.cpu()
+    key, start, count, entries = (x.cpu() for x in inverse_index(idx.to(DEVICE), Ns, chunk=3))
     assert count.max() <= 3
     got = {}
     for k, s, c in zip(key.tolist(), start.tolist(), count.tolist()):
-        if c:
-            got.setdefault(k, []).extend(tokens[s : s + c].tolist())
+        for f in entries[s : s + c].tolist():
+            b, g, t, slot = f // (G * T * n), f // (T * n) % G, f // n % T, f % n
+            assert idx[b, t, g, slot] == k % Ns and (b * G + g) == k // Ns
+            got.setdefault(k, []).append(t)
     want = {}
     for b in range(B):
-        for t in range(T):
-            for g in range(G):
+        for g in range(G):
+            for t in range(T):
                 for j in idx[b, t, g].tolist():
                     if j >= 0:
                         want.setdefault((b * G + g) * Ns + j, []).append(t)
     assert got == want
 
 
-def test_selected_backward_with_many_work_items_per_block():
-    # chunk=2 splits every block's query list into several items that add their partial dK/dV atomically.
-    B, T, H, G, l, d, lp, n = 1, 40, 4, 2, 8, 4, 8, 3
-    q, k_cmp, _, k, v, _, _, gates = inputs(B, T, H, G, 8, 8, block_len=l, block_stride=d, seed=3)
-    idx = reference.select_blocks(q, k_cmp, block_len=l, block_stride=d, sel_block=lp, n_sel=n)
-    scale = 8**-0.5
-    o, lse = selected_attention_fwd(q, k, v, idx, scale, lp)
-    do = torch.randn_like(o)
-    gate = gates[..., 1]
-    delta = (gate * (do * o).sum(-1)).contiguous()
-    dq = torch.zeros(q.shape, device=DEVICE)
-    dk, dv = selected_attention_bwd(q, k, v, idx, do, gate, lse, delta, dq, False, scale, lp, chunk=2)
-    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = reference.selected_attention(qq, kk, vv, idx, sel_block=lp)
-    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (qq, kk, vv), do * gate[..., None])
-    for got, want in ((dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
-        torch.testing.assert_close(got, want, **TOL)
+@pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
+def test_each_branch_alone_matches_the_reference(branch):
+    # One gate at 1, the others at 0: the output and every gradient come from that branch alone.
+    # Block 0 is chosen by all 40 queries, so its selected-branch work is split into several items
+    # (4 queries each under the interpreter) that add their dK/dV atomically.
+    hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
+    ins = inputs(1, 40, 4, 2, 8, 8, block_len=8, block_stride=4, seed=3)
+    gates = torch.zeros_like(ins[7])
+    gates[..., ("cmp", "sel", "win").index(branch)] = 1.0
+    ins = [t.requires_grad_() for t in ins[:7] + [gates]]
+    out = nsa_attention(*ins, **hp, backend="triton")
+    ref = nsa_attention(*ins, **hp, backend="reference")
+    torch.testing.assert_close(out, ref, **TOL)
+    do = torch.randn_like(out)
+    for name, g, r in zip(NAMES, torch.autograd.grad(out, ins, do), torch.autograd.grad(ref, ins, do)):
+        torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
 
 
 def test_compressed_kernel_reports_minus_infinity_lse_where_nothing_is_visible():

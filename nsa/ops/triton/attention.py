@@ -11,30 +11,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .gating import gate_grads
 from .range_attention import MODE_CMP, MODE_WIN, range_attention_bwd, range_attention_fwd
-from .selected_attention import selected_attention_bwd, selected_attention_fwd
+from .selected_attention import build_inverse_index, finalize, selected_attention_bwd, selected_attention_fwd
 from .selection import select_blocks_fwd
+from .tuning import TUNING
 
 _F32 = torch.float32
 
 
-def _combine(gates: Tensor, o_cmp: Tensor, o_sel: Tensor, o_win: Tensor) -> Tensor:
-    g = gates.to(_F32).unsqueeze(-1)
-    out = g[..., 0, :] * o_cmp.to(_F32) + g[..., 1, :] * o_sel.to(_F32) + g[..., 2, :] * o_win.to(_F32)
-    return out.to(o_cmp.dtype)
+def _num_items(B: int, T: int, G: int, n: int, sel_block: int, device: torch.device) -> int:
+    chunk = TUNING.inverse_chunk if device.type == "cuda" else 4
+    return (B * T * G * n) // chunk + B * G * (-(-T // sel_block))
 
 
 @torch.library.custom_op("nsa::forward", mutates_args=())
 def nsa_forward(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
     gates: Tensor, block_len: int, block_stride: int, sel_block: int, n_sel: int, window: int, scale: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(o, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices); all but o are kept for backward."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """o, then what backward needs: each branch's output and lse, the indices and their inverse index."""
+    T = q.shape[1]
     o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, scale, block_len, block_stride, window)
     indices = select_blocks_fwd(q, k_cmp, lse_cmp, scale, block_len, block_stride, sel_block, n_sel)
-    o_sel, lse_sel = selected_attention_fwd(q, k_sel, v_sel, indices, scale, sel_block)
+    inverse = build_inverse_index(indices, T, sel_block)
+    opart, lsepart = selected_attention_fwd(q, k_sel, v_sel, indices, inverse, scale, sel_block)
     o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
-    return _combine(gates, o_cmp, o_sel, o_win), o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices
+    o, o_sel, lse_sel = finalize(opart, lsepart, indices, o_cmp, o_win, gates)
+    return o, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices, *inverse
 
 
 @nsa_forward.register_fake
@@ -44,32 +48,34 @@ def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_strid
     o = q.new_empty(B, T, H, Dv)
     lse = q.new_empty(B, T, H, dtype=_F32)
     idx = q.new_empty(B, T, G, n_sel, dtype=torch.int64)
-    return o, torch.empty_like(o), lse, torch.empty_like(o), torch.empty_like(lse), torch.empty_like(o), \
-        torch.empty_like(lse), idx
+    n_items = _num_items(B, T, G, n_sel, sel_block, q.device)
+    item = q.new_empty(n_items, dtype=torch.int32)
+    entries = q.new_empty(B * G * T * n_sel, dtype=torch.int32)
+    return (o, torch.empty_like(o), lse, torch.empty_like(o), torch.empty_like(lse), torch.empty_like(o),
+            torch.empty_like(lse), idx, item, torch.empty_like(item), torch.empty_like(item), entries)
 
 
 @torch.library.custom_op("nsa::backward", mutates_args=())
 def nsa_backward(
     do: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
     gates: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_sel: Tensor, lse_sel: Tensor, o_win: Tensor, lse_win: Tensor,
-    indices: Tensor, block_len: int, block_stride: int, sel_block: int, window: int, scale: float,
+    indices: Tensor, item_key: Tensor, item_start: Tensor, item_count: Tensor, entries: Tensor,
+    block_len: int, block_stride: int, sel_block: int, window: int, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients for (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)."""
     do = do.contiguous()
-    dof = do.to(_F32)
-    # d o / d g_c = o_c, and each branch's softmax needs delta_c = rowsum(g_c * do * o_c) = g_c * dg_c.
-    dgates = torch.stack([(dof * o.to(_F32)).sum(-1) for o in (o_cmp, o_sel, o_win)], dim=-1)
-    delta = (gates.to(_F32) * dgates).contiguous()
+    dgates, delta = gate_grads(do, o_cmp, o_sel, o_win, gates)
     dq = torch.empty(q.shape, device=q.device, dtype=_F32)
-    dk_win, dv_win = range_attention_bwd(q, k_win, v_win, do, gates[..., 2], lse_win, delta[..., 2].contiguous(), dq,
-                                         MODE_WIN, False, scale, block_len, block_stride, window)
-    dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, do, gates[..., 0], lse_cmp, delta[..., 0].contiguous(), dq,
+    inverse = (item_key, item_start, item_count, entries)
+    dk_sel, dv_sel = selected_attention_bwd(q, k_sel, v_sel, indices, inverse, do, gates[..., 1], lse_sel, delta[1],
+                                            dq, scale, sel_block)
+    dk_win, dv_win = range_attention_bwd(q, k_win, v_win, do, gates[..., 2], lse_win, delta[2], dq,
+                                         MODE_WIN, True, scale, block_len, block_stride, window)
+    dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, do, gates[..., 0], lse_cmp, delta[0], dq,
                                          MODE_CMP, True, scale, block_len, block_stride, window)
-    dk_sel, dv_sel = selected_attention_bwd(q, k_sel, v_sel, indices, do, gates[..., 1], lse_sel,
-                                            delta[..., 1].contiguous(), dq, True, scale, sel_block)
-    grads = (dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates)
-    inputs = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
-    return tuple(g.to(x.dtype) for g, x in zip(grads, inputs))
+    grads = (dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win)
+    inputs = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)
+    return (*(g.to(x.dtype) for g, x in zip(grads, inputs)), dgates)
 
 
 @nsa_backward.register_fake
@@ -79,9 +85,7 @@ def _(do, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *rest):
 
 def _setup_context(ctx, inputs, output):
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block, _, window, scale = inputs
-    _, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices = output
-    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-                          o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices)
+    ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *output[1:])
     ctx.hyper = (block_len, block_stride, sel_block, window, scale)
 
 
@@ -101,8 +105,8 @@ def _last_dim_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
 def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_len, block_stride,
                          sel_block, n_sel, window, scale) -> Tensor:
     dtype = q.dtype
-    args = [_last_dim_contiguous(t, dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)]
-    return nsa_forward(*args, gates.to(dtype), block_len, block_stride, sel_block, n_sel, window, float(scale))[0]
+    args = [_last_dim_contiguous(t, dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)]
+    return nsa_forward(*args, block_len, block_stride, sel_block, n_sel, window, float(scale))[0]
 
 
 @torch.no_grad()

@@ -157,12 +157,13 @@ def _range_bwd_dkdv_kernel(
     Q, K, V, DO, GATE, LSE, DELTA, DKo, DVo,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
-    T, NK, G, h, scale_log2, scale, block_len, block_stride, window,
-    MODE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, rows_per_split,
+    MODE: tl.constexpr, ATOMIC: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bg = tl.program_id(1)
+    pid_split = tl.program_id(1)
+    pid_bg = tl.program_id(2)
     b = (pid_bg // G).to(tl.int64)
     g = pid_bg % G
     kidx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,10 +186,13 @@ def _range_bwd_dkdv_kernel(
 
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    row_start = ((t_lo * h) // BLOCK_M) * BLOCK_M
-    for r0 in range(row_start, (t_hi + 1) * h, BLOCK_M):
+    # This program covers rows [split_lo, split_hi) of the (token, head) rows that see the tile.
+    split_lo = pid_split * rows_per_split
+    split_hi = tl.minimum((t_hi + 1) * h, split_lo + rows_per_split)
+    row_start = tl.maximum(split_lo, ((t_lo * h) // BLOCK_M) * BLOCK_M)
+    for r0 in range(row_start, split_hi, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < T * h
+        row_ok = rows < split_hi
         t = rows // h
         head = (g * h + rows % h).to(tl.int64)
         t64 = t.to(tl.int64)
@@ -209,10 +213,17 @@ def _range_bwd_dkdv_kernel(
         dst = pt * (dpt - delta[None, :])
         dk_acc += tl.dot(dst.to(q.dtype), q)
     dk_acc = dk_acc * scale
-    tl.store(DKo + b * sdkb + g * sdkg + kidx.to(tl.int64)[:, None] * sdkt + dk[None, :],
-             dk_acc.to(DKo.dtype.element_ty), mask=k_ok[:, None] & (dk[None, :] < DK))
-    tl.store(DVo + b * sdvb + g * sdvg + kidx.to(tl.int64)[:, None] * sdvt + dv[None, :],
-             dv_acc.to(DVo.dtype.element_ty), mask=k_ok[:, None] & (dv[None, :] < DV))
+    dk_ptrs = DKo + b * sdkb + g * sdkg + kidx.to(tl.int64)[:, None] * sdkt + dk[None, :]
+    dv_ptrs = DVo + b * sdvb + g * sdvg + kidx.to(tl.int64)[:, None] * sdvt + dv[None, :]
+    dk_mask = k_ok[:, None] & (dk[None, :] < DK)
+    dv_mask = k_ok[:, None] & (dv[None, :] < DV)
+    if ATOMIC:  # several splits add into the same keys (float32, zero-initialised)
+        if row_start < split_hi:
+            tl.atomic_add(dk_ptrs, dk_acc, mask=dk_mask)
+            tl.atomic_add(dv_ptrs, dv_acc, mask=dv_mask)
+    else:
+        tl.store(dk_ptrs, dk_acc.to(DKo.dtype.element_ty), mask=dk_mask)
+        tl.store(dv_ptrs, dv_acc.to(DVo.dtype.element_ty), mask=dv_mask)
 
 
 # ---------------------------------------------------------------- launchers
@@ -270,12 +281,20 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
         q, k, v, do, gate, lse, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         *common, MODE=mode, ACCUMULATE=accumulate, **_dims(Dk, Dv), **cfg,
     )
-    dk_out = torch.empty(k.shape, device=k.device, dtype=torch.float32)
-    dv_out = torch.empty(v.shape, device=v.device, dtype=torch.float32)
+    # A compressed key is seen by every later query: split those rows over several programs
+    # (float32 atomics add their partial sums) so that the few key tiles still fill the GPU.
+    total_rows = T * h
+    per_split = TUNING.cmp_rows_per_split if q.device.type == "cuda" else 32  # several splits in CPU tests too
+    rows_per_split = total_rows if mode == MODE_WIN else max(cfg["BLOCK_M"], per_split)
+    rows_per_split = triton.cdiv(rows_per_split, cfg["BLOCK_M"]) * cfg["BLOCK_M"]
+    splits = max(1, triton.cdiv(total_rows, rows_per_split))
+    alloc = torch.zeros if splits > 1 else torch.empty
+    dk_out = alloc(k.shape, device=k.device, dtype=torch.float32)
+    dv_out = alloc(v.shape, device=v.device, dtype=torch.float32)
     if NK > 0:
-        _range_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]), B * G)](
+        _range_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]), splits, B * G)](
             q, k, v, do, gate, lse, delta, dk_out, dv_out, *strides,
             dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-            *common, MODE=mode, **_dims(Dk, Dv), **cfg,
+            *common, rows_per_split, MODE=mode, ATOMIC=splits > 1, **_dims(Dk, Dv), **cfg,
         )
     return dk_out, dv_out

@@ -122,5 +122,6 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
         DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
         HP=hp, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)),
         num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
+        num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
     )
     return idx

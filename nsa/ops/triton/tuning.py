@@ -17,17 +17,16 @@ class Tuning:
     """Keys per inner step of the compressed/window kernels (halved for head dims above 64)."""
     range_warps: int = 4
     range_stages: int = 2
+    cmp_rows_per_split: int = 8192
+    """(token, head) rows per program of the compressed branch's dK/dV kernel (32 under the CPU interpreter)."""
     select_block_t: int = 16
     """Tokens per program of the selection kernel."""
     select_warps: int = 4
+    sel_block_r: int = 64
+    """(query, head) rows per inner step of the block-centric selected-branch kernels."""
     sel_warps: int = 4
-    """Warps of the per-token selected-branch forward and dQ kernels."""
-    sel_stages: int = 2
-    dkdv_block_r: int = 64
-    """(query, head) rows per inner step of the selected-branch dK/dV kernel."""
-    dkdv_warps: int = 4
     inverse_chunk: int = 256
-    """Queries per dK/dV work item of the selected branch."""
+    """(query, slot) entries per work item of the block-centric selected-branch kernels (4 under the interpreter)."""
 
 
 TUNING = Tuning()
