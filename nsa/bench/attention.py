@@ -130,9 +130,9 @@ def compare(shape: str, T: int, backward: bool, use_fla: bool) -> dict:
 
 def components(shape: str, T: int) -> list[dict]:
     """Milliseconds of every stage of the NSA forward and backward at one length."""
-    from ..ops.triton import attention as A
+    from ..ops.triton.gating import gate_grads
     from ..ops.triton.range_attention import MODE_CMP, MODE_WIN, range_attention_bwd, range_attention_fwd
-    from ..ops.triton.selected_attention import selected_attention_bwd, selected_attention_fwd
+    from ..ops.triton.selected_attention import build_inverse_index, selected_backward, selected_forward
     from ..ops.triton.selection import select_blocks_fwd
 
     H, G, Dk, Dv = SHAPES[shape]
@@ -141,25 +141,26 @@ def components(shape: str, T: int) -> list[dict]:
     l, d, lp, n, w = (HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel", "window"))
     o_cmp, lse_cmp = range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, w)
     idx = select_blocks_fwd(q, kc, lse_cmp, scale, l, d, lp, n)
-    o_sel, lse_sel = selected_attention_fwd(q, ks, vs, idx, scale, lp)
+    inv = build_inverse_index(idx, T, lp)
     o_win, lse_win = range_attention_fwd(q, kw, vw, MODE_WIN, scale, l, d, w)
+    _, o_sel, lse_sel = selected_forward(q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, lp)
     do = torch.randn_like(o_cmp)
-    delta = torch.rand(q.shape[:3], device="cuda")
+    _, delta = gate_grads(do, o_cmp, o_sel, o_win, gates)
     dq = torch.zeros(q.shape, device="cuda")
     stages = {
         "fwd: compressed attention": lambda: range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, w),
         "fwd: scoring + top-n": lambda: select_blocks_fwd(q, kc, lse_cmp, scale, l, d, lp, n),
-        "fwd: selected attention": lambda: selected_attention_fwd(q, ks, vs, idx, scale, lp),
+        "fwd: inverse index": lambda: build_inverse_index(idx, T, lp),
         "fwd: window attention": lambda: range_attention_fwd(q, kw, vw, MODE_WIN, scale, l, d, w),
-        "fwd: gated combine": lambda: A._combine(gates, o_cmp, o_sel, o_win),
-        "bwd: gate grads + deltas": lambda: torch.stack(
-            [(do.float() * o.float()).sum(-1) for o in (o_cmp, o_sel, o_win)], -1),
-        "bwd: compressed": lambda: range_attention_bwd(q, kc, vc, do, gates[..., 0], lse_cmp, delta, dq, MODE_CMP,
-                                                       True, scale, l, d, w),
-        "bwd: selected (dq + inverse index + dk/dv)": lambda: selected_attention_bwd(
-            q, ks, vs, idx, do, gates[..., 1], lse_sel, delta, dq, True, scale, lp),
-        "bwd: window": lambda: range_attention_bwd(q, kw, vw, do, gates[..., 2], lse_win, delta, dq, MODE_WIN,
+        "fwd: selected attention + gated sum": lambda: selected_forward(
+            q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, lp),
+        "bwd: gate grads + deltas": lambda: gate_grads(do, o_cmp, o_sel, o_win, gates),
+        "bwd: selected (dk/dv + dq)": lambda: selected_backward(
+            q, ks, vs, idx, inv, do, gates[..., 1], lse_sel, delta[1], dq, scale, lp),
+        "bwd: window": lambda: range_attention_bwd(q, kw, vw, do, gates[..., 2], lse_win, delta[2], dq, MODE_WIN,
                                                    True, scale, l, d, w),
+        "bwd: compressed": lambda: range_attention_bwd(q, kc, vc, do, gates[..., 0], lse_cmp, delta[0], dq, MODE_CMP,
+                                                       True, scale, l, d, w),
     }
     rows = [{"shape": shape, "T": T, "stage": name, "ms": _timed(fn)} for name, fn in stages.items()]
     torch.cuda.empty_cache()
@@ -167,18 +168,16 @@ def components(shape: str, T: int) -> list[dict]:
 
 
 SWEEP = {
-    "range_block_m": [32, 64, 128],
-    "range_block_n": [32, 64, 128],
-    "range_warps": [4, 8],
-    "range_stages": [1, 2, 3],
-    "select_block_t": [16, 32],
-    "select_warps": [4, 8],
-    "sel_warps": [1, 2, 4],
-    "sel_stages": [1, 2, 3],
-    "dkdv_block_r": [32, 64, 128],
-    "dkdv_warps": [4, 8],
-    "inverse_chunk": [128, 256, 512],
+    "range_block_n": [32, 128],
+    "range_stages": [3],
+    "cmp_rows_per_split": [32768],
+    "select_warps": [8],
+    "token_warps": [2, 8],
+    "sel_block_r": [32],
+    "sel_warps": [8],
+    "inverse_chunk": [1024],
 }
+"""Values tried for each launch parameter (the defaults are measured too)."""
 
 
 def sweep(shape: str, T: int) -> list[dict]:
@@ -189,7 +188,7 @@ def sweep(shape: str, T: int) -> list[dict]:
     ins = make_inputs(T, H, G, Dk, Dv)
     step = _fwd_bwd(_nsa(ins), ins)
     base = dataclasses.replace(tuning.TUNING)
-    rows = []
+    rows = [{"shape": shape, "T": T, "param": "defaults", "value": "", "fwdbwd_ms": _timed(step)}]
     try:
         for field, values in SWEEP.items():
             for value in values:

@@ -112,13 +112,108 @@ def _sel_fwd_partial_kernel(
 
 
 @triton.jit
+def _sel_token_fwd_kernel(
+    Q, K, V, IDX, O, LSE,
+    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sib, sit, sig, sob, sot, soh, slb, slt,
+    T, G, h, scale_log2, sel_block, n_sel,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HP: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = pid_bg % G
+    t64 = t.to(tl.int64)
+    r = tl.arange(0, HP)
+    row_ok = r < h
+    head = (g * h + tl.where(row_ok, r, 0)).to(tl.int64)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * sqb + t64 * sqt + head[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
+    acc = tl.zeros([HP, BLOCK_DV], tl.float32)
+    kbase = K + b * skb + g * skg
+    vbase = V + b * svb + g * svg
+    lk = tl.arange(0, BLOCK_L)
+    for slot in range(n_sel):
+        j = tl.load(IDX + b * sib + t64 * sit + g * sig + slot)
+        kidx = j * sel_block + lk
+        k_ok = (j >= 0) & (lk < sel_block) & (kidx <= t)
+        k = tl.load(kbase + kidx[:, None] * skt + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        v = tl.load(vbase + kidx[:, None] * svt + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]  # the current block is always selected: l_i > 0
+    lse = (m_i + tl.log2(l_i)) / 1.4426950408889634
+    tl.store(O + b * sob + t64 * sot + head[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + b * slb + t64 * slt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _sel_token_dq_kernel(
+    Q, K, V, IDX, DO, GATE, LSE, DELTA, DQ,
+    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sib, sit, sig, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
+    sdqb, sdqt, sdqh,
+    T, G, h, scale_log2, scale, sel_block, n_sel,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HP: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = pid_bg % G
+    t64 = t.to(tl.int64)
+    r = tl.arange(0, HP)
+    row_ok = r < h
+    head = (g * h + tl.where(row_ok, r, 0)).to(tl.int64)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * sqb + t64 * sqt + head[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    gate = tl.load(GATE + b * sgb + t64 * sgt + head * sgh, mask=row_ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * sdob + t64 * sdot + head[:, None] * sdoh + dv[None, :],
+                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    do = (do.to(tl.float32) * gate[:, None]).to(do.dtype)
+    lse2 = tl.load(LSE + b * slb + t64 * slt + head, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + b * slb + t64 * slt + head, mask=row_ok, other=0.0)
+    dq = tl.zeros([HP, BLOCK_DK], tl.float32)
+    kbase = K + b * skb + g * skg
+    vbase = V + b * svb + g * svg
+    lk = tl.arange(0, BLOCK_L)
+    for slot in range(n_sel):
+        j = tl.load(IDX + b * sib + t64 * sit + g * sig + slot)
+        kidx = j * sel_block + lk
+        k_ok = (j >= 0) & (lk < sel_block) & (kidx <= t)
+        k = tl.load(kbase + kidx[:, None] * skt + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
+        v = tl.load(vbase + kidx[:, None] * svt + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        p = tl.where(k_ok[None, :] & row_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * scale
+    tl.store(DQ + b * sdqb + t64 * sdqt + head[:, None] * sdqh + dk[None, :], dq,
+             mask=row_ok[:, None] & (dk[None, :] < DK))
+
+
+@triton.jit
 def _finalize_kernel(
     OPART, LSEPART, IDX, O_CMP, O_WIN, GATES, O, O_SEL, LSE_SEL,
     sib, sit, sig, sob, sot, soh, sgb, sgt, sgh, slb, slt,
     T, G, h, n,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    MERGE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """o_sel = the exact merge of a query's per-block partials; o = sum of gated branch outputs."""
+    """o = sum of the gated branch outputs; with MERGE, o_sel is first merged from its per-block partials."""
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = (pid_bg // G).to(tl.int64)
@@ -130,35 +225,36 @@ def _finalize_kernel(
     head = (g * h + hh).to(tl.int64)
     dv = tl.arange(0, BLOCK_DV)
     mask = row_ok[:, None] & (dv[None, :] < DV)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for slot in range(n):
-        j = tl.load(IDX + b * sib + t * sit + g * sig + slot, mask=row_ok, other=-1)
-        ok = row_ok & (j >= 0)
-        part = (((b * G + g) * T + t) * n + slot) * h + hh
-        lse = tl.load(LSEPART + part, mask=ok, other=float("-inf"))
-        o = tl.load(OPART + part[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse - m_safe)
-        acc = acc * alpha[:, None] + w[:, None] * o.to(tl.float32)
-        l_i = l_i * alpha + w
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o_sel = acc / l_safe[:, None]
-    tl.store(LSE_SEL + b * slb + t * slt + head, (m_i + tl.log2(l_safe)) / 1.4426950408889634, mask=row_ok)
     row_off = b * sob + t * sot + head * soh
-    tl.store(O_SEL + row_off[:, None] + dv[None, :], o_sel.to(O_SEL.dtype.element_ty), mask=mask)
+    if MERGE:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        for slot in range(n):
+            j = tl.load(IDX + b * sib + t * sit + g * sig + slot, mask=row_ok, other=-1)
+            ok = row_ok & (j >= 0)
+            part = (((b * G + g) * T + t) * n + slot) * h + hh
+            lse = tl.load(LSEPART + part, mask=ok, other=float("-inf"))
+            o = tl.load(OPART + part[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
+            m_new = tl.maximum(m_i, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            w = tl.exp2(lse - m_safe)
+            acc = acc * alpha[:, None] + w[:, None] * o.to(tl.float32)
+            l_i = l_i * alpha + w
+            m_i = m_new
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o_sel = acc / l_safe[:, None]
+        tl.store(LSE_SEL + b * slb + t * slt + head, (m_i + tl.log2(l_safe)) / 1.4426950408889634, mask=row_ok)
+        tl.store(O_SEL + row_off[:, None] + dv[None, :], o_sel.to(O_SEL.dtype.element_ty), mask=mask)
+    # The stored (rounded) o_sel enters the sum, as it will in backward.
+    o_sel = tl.load(O_SEL + row_off[:, None] + dv[None, :], mask=mask, other=0.0).to(tl.float32)
     gate_off = b * sgb + t * sgt + head * sgh
     g_cmp = tl.load(GATES + gate_off, mask=row_ok, other=0.0).to(tl.float32)
     g_sel = tl.load(GATES + gate_off + 1, mask=row_ok, other=0.0).to(tl.float32)
     g_win = tl.load(GATES + gate_off + 2, mask=row_ok, other=0.0).to(tl.float32)
     o_cmp = tl.load(O_CMP + row_off[:, None] + dv[None, :], mask=mask, other=0.0).to(tl.float32)
     o_win = tl.load(O_WIN + row_off[:, None] + dv[None, :], mask=mask, other=0.0).to(tl.float32)
-    # The stored (rounded) o_sel enters the sum, as it will in backward.
-    o_sel = o_sel.to(O_SEL.dtype.element_ty).to(tl.float32)
     out = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel + g_win[:, None] * o_win
     tl.store(O + row_off[:, None] + dv[None, :], out.to(O.dtype.element_ty), mask=mask)
 
@@ -169,7 +265,7 @@ def _sel_bwd_kernel(
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
     T, G, NS, n, h, scale_log2, scale, sel_block,
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WRITE_DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -209,10 +305,11 @@ def _sel_bwd_kernel(
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            dq = tl.dot(ds.to(k.dtype), k) * scale
-            part = f * h + hh
-            tl.store(DQPART + part[:, None] * DK + dk[None, :], dq.to(DQPART.dtype.element_ty),
-                     mask=row_ok[:, None] & (dk[None, :] < DK))
+            if WRITE_DQ:
+                dq = tl.dot(ds.to(k.dtype), k) * scale
+                part = f * h + hh
+                tl.store(DQPART + part[:, None] * DK + dk[None, :], dq.to(DQPART.dtype.element_ty),
+                         mask=row_ok[:, None] & (dk[None, :] < DK))
         tl.atomic_add(DKo + b * sdkb + g * sdkg + kidx[:, None] * sdkt + dk[None, :], dk_acc * scale,
                       mask=k_ok[:, None] & (dk[None, :] < DK))
         tl.atomic_add(DVo + b * sdvb + g * sdvg + kidx[:, None] * sdvt + dv[None, :], dv_acc,
@@ -259,8 +356,18 @@ def _item_launch(q: torch.Tensor) -> dict:
     return dict(BLOCK_R=TUNING.sel_block_r, num_warps=TUNING.sel_warps)
 
 
+def _token_launch(q: torch.Tensor, h: int, sel_block: int) -> dict:
+    launch = dict(HP=max(16, triton.next_power_of_2(h)), BLOCK_L=max(16, triton.next_power_of_2(sel_block)))
+    return launch | (dict(num_warps=TUNING.token_warps) if q.device.type == "cuda" else dict(num_warps=1))
+
+
 def _row_launch(q: torch.Tensor) -> dict:
     return dict(BLOCK_M=64, num_warps=4) if q.device.type == "cuda" else dict(BLOCK_M=16, num_warps=1)
+
+
+def per_token(heads_per_group: int) -> bool:
+    """Forward and dQ by per-query gathers (h fills the matrix rows) rather than block-centrically."""
+    return heads_per_group >= TUNING.token_min_heads
 
 
 def build_inverse_index(indices: torch.Tensor, seq_len: int, sel_block: int, chunk: int | None = None):
@@ -269,43 +376,46 @@ def build_inverse_index(indices: torch.Tensor, seq_len: int, sel_block: int, chu
     return inverse_index(indices, -(-seq_len // sel_block), chunk)
 
 
-def selected_attention_fwd(q, k, v, indices, inverse, scale: float, sel_block: int):
-    """Per-(query, slot, head) partial outputs [B*G*T*n, h, Dv] and their log2-sum-exp [B*G*T*n, h]."""
+def _strides(*tensors) -> tuple:
+    return tuple(s for t in tensors for s in t.stride()[:3])
+
+
+def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: float, sel_block: int):
+    """(o, o_sel, lse_sel): the selected branch and the gated sum of all three branches.
+
+    `inverse` (from build_inverse_index) is needed unless per_token(h).
+    """
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
-    item_key, item_start, item_count, entries = inverse
-    opart = torch.empty(B * G * T * n, h, Dv, device=q.device, dtype=q.dtype)
-    lsepart = torch.empty(B * G * T * n, h, device=q.device, dtype=torch.float32)
-    _sel_fwd_partial_kernel[(item_key.numel(),)](
-        q, k, v, opart, lsepart, item_key, item_start, item_count, entries,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2),
-        T, G, -(-T // sel_block), n, h, scale * LOG2E, sel_block,
-        **_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q),
-    )
-    return opart, lsepart
-
-
-def finalize(opart, lsepart, indices, o_cmp, o_win, gates):
-    """(o, o_sel, lse_sel): the merged selected branch and the gated sum of all three branches."""
-    B, T, H, Dv = o_cmp.shape
-    G, n = indices.shape[2], indices.shape[3]
-    h = H // G
-    o = torch.empty_like(o_cmp)
-    o_sel = torch.empty_like(o_cmp)
-    lse_sel = torch.empty(B, T, H, device=o.device, dtype=torch.float32)
+    o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
+    o_sel = torch.empty_like(o)
+    lse_sel = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    if per_token(h):
+        _sel_token_fwd_kernel[(T, B * G)](
+            q, k, v, indices, o_sel, lse_sel, *_strides(q, k, v, indices, o_sel), *lse_sel.stride()[:2],
+            T, G, h, scale * LOG2E, sel_block, n, **_dims(Dk, Dv), **_token_launch(q, h, sel_block),
+        )
+        opart = lsepart = lse_sel  # unused by the kernel below
+    else:
+        item_key, item_start, item_count, entries = inverse
+        opart = torch.empty(B * G * T * n, h, Dv, device=q.device, dtype=q.dtype)
+        lsepart = torch.empty(B * G * T * n, h, device=q.device, dtype=torch.float32)
+        _sel_fwd_partial_kernel[(item_key.numel(),)](
+            q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_strides(q, k, v),
+            T, G, -(-T // sel_block), n, h, scale * LOG2E, sel_block,
+            **_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q),
+        )
     cfg = _row_launch(o)
     _finalize_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel,
-        indices.stride(0), indices.stride(1), indices.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        gates.stride(0), gates.stride(1), gates.stride(2), lse_sel.stride(0), lse_sel.stride(1),
-        T, G, h, n, DV=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), **cfg,
+        *indices.stride()[:3], *o.stride()[:3], *gates.stride()[:3], *lse_sel.stride()[:2],
+        T, G, h, n, MERGE=not per_token(h), DV=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), **cfg,
     )
     return o, o_sel, lse_sel
 
 
-def selected_attention_bwd(q, k, v, indices, inverse, do, gate, lse, delta, dq, scale: float, sel_block: int):
+def selected_backward(q, k, v, indices, inverse, do, gate, lse, delta, dq, scale: float, sel_block: int):
     """Writes this branch's dQ into dq (float32, overwriting); returns (dK, dV) in float32.
 
     do is the gradient of the gated sum; gate [B,T,H] scales it to this branch's share;
@@ -314,23 +424,28 @@ def selected_attention_bwd(q, k, v, indices, inverse, do, gate, lse, delta, dq, 
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
+    token = per_token(h)
     item_key, item_start, item_count, entries = inverse
     dk_out = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv_out = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    dqpart = torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
+    dqpart = dq if token else torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
+    grad_strides = (*_strides(q, k, v, do, gate), *lse.stride()[:2])
     _sel_bwd_kernel[(item_key.numel(),)](
         q, k, v, do, gate, lse, delta, dk_out, dv_out, dqpart, item_key, item_start, item_count, entries,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), do.stride(0), do.stride(1), do.stride(2), gate.stride(0), gate.stride(1), gate.stride(2),
-        lse.stride(0), lse.stride(1),
-        dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-        T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block,
+        *grad_strides, *_strides(dk_out, dv_out),
+        T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block, WRITE_DQ=not token,
         **_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q),
     )
-    cfg = _row_launch(q)
-    _reduce_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
-        dqpart, indices, dq, indices.stride(0), indices.stride(1), indices.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2), T, G, h, n,
-        DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), **cfg,
-    )
+    if token:
+        _sel_token_dq_kernel[(T, B * G)](
+            q, k, v, indices, do, gate, lse, delta, dq, *_strides(q, k, v, indices, do, gate), *lse.stride()[:2],
+            *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
+            **_dims(Dk, Dv), **_token_launch(q, h, sel_block),
+        )
+    else:
+        cfg = _row_launch(q)
+        _reduce_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
+            dqpart, indices, dq, *indices.stride()[:3], *dq.stride()[:3], T, G, h, n,
+            DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), **cfg,
+        )
     return dk_out, dv_out

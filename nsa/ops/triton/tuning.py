@@ -22,6 +22,11 @@ class Tuning:
     select_block_t: int = 16
     """Tokens per program of the selection kernel."""
     select_warps: int = 4
+    token_min_heads: int = 16
+    """Group sizes from here on compute the selected forward and dQ per query (each gathered key block
+    then feeds h >= 16 matrix rows); smaller groups go block-centric (measured: DESIGN shapes, H200)."""
+    token_warps: int = 4
+    """Warps of the per-query selected-branch kernels."""
     sel_block_r: int = 64
     """(query, head) rows per inner step of the block-centric selected-branch kernels."""
     sel_warps: int = 4
