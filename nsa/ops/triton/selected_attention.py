@@ -42,8 +42,10 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
     bg = torch.arange(B * G, device=dev).view(B, G, 1, 1)
     keys = torch.where(by_group >= 0, bg * num_sel_blocks + by_group, n_keys).reshape(-1)
     sorted_keys, entries = torch.sort(keys, stable=True)
-    counts = torch.bincount(sorted_keys, minlength=n_keys + 1)[:n_keys]
-    starts = torch.cumsum(counts, 0) - counts
+    # Key boundaries by binary search (torch.bincount would sync with the host to size its output).
+    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=dev))
+    starts = bounds[:-1]
+    counts = bounds[1:] - starts
     items_per_key = (counts + chunk - 1) // chunk
     item_end = torch.cumsum(items_per_key, 0)
     max_items = (B * T * G * n) // chunk + n_keys
@@ -298,15 +300,16 @@ def _sel_bwd_kernel(
             do = (do.to(tl.float32) * gate[:, None]).to(do.dtype)
             lse2 = tl.load(LSE + b * slb + t * slt + head, mask=row_ok, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA + b * slb + t * slt + head, mask=row_ok, other=0.0)
-            visible = k_ok[None, :] & row_ok[:, None] & (kidx[None, :] <= t[:, None])
-            s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_R, BLOCK_L]
-            p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
-            dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            # Keys along rows ([BLOCK_L, BLOCK_R]): dK and dV then need no transposed operand.
+            visible = k_ok[:, None] & row_ok[None, :] & (kidx[:, None] <= t[None, :])
+            st = tl.dot(k, tl.trans(q)) * scale_log2
+            pt = tl.where(visible, tl.exp2(st - lse2[None, :]), 0.0)
+            dv_acc += tl.dot(pt.to(do.dtype), do)
+            dpt = tl.dot(v, tl.trans(do))
+            dst = pt * (dpt - delta[None, :])
+            dk_acc += tl.dot(dst.to(q.dtype), q)
             if WRITE_DQ:
-                dq = tl.dot(ds.to(k.dtype), k) * scale
+                dq = tl.dot(tl.trans(dst.to(k.dtype)), k) * scale
                 part = f * h + hh
                 tl.store(DQPART + part[:, None] * DK + dk[None, :], dq.to(DQPART.dtype.element_ty),
                          mask=row_ok[:, None] & (dk[None, :] < DK))
