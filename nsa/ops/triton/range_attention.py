@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
 from .tuning import TUNING
 
 MODE_CMP = 0
 MODE_WIN = 1
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -38,6 +38,26 @@ def _key_range(t, MODE: tl.constexpr, block_len, block_stride, window):
 
 
 @triton.jit
+def _rows(pid_m, pid_bg, T, G, h, BLOCK_M: tl.constexpr):
+    """(b, g, row ok, token, head) of a program's (token, head) rows; row r <-> token r // h, head r % h."""
+    b = (pid_bg // G).to(tl.int64)
+    g = pid_bg % G
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return b, g, rows < T * h, (rows // h).to(tl.int64), (g * h + rows % h).to(tl.int64)
+
+
+@triton.jit
+def _tile_key_span(pid_m, T, h, MODE: tl.constexpr, block_len, block_stride, window, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """First (aligned to BLOCK_N) and one-past-last key any row of this tile can see."""
+    t_first = (pid_m * BLOCK_M) // h
+    t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
+    lo_tile, _ = _key_range(t_first, MODE, block_len, block_stride, window)
+    _, hi_tile = _key_range(t_last, MODE, block_len, block_stride, window)
+    return (lo_tile // BLOCK_N) * BLOCK_N, hi_tile + 1
+
+
+@triton.jit
 def _range_fwd_kernel(
     Q, K, V, O, LSE,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sob, sot, soh, slb, slt,
@@ -46,52 +66,26 @@ def _range_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = pid_bg % G
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T * h
-    t = rows // h
-    head = (g * h + rows % h).to(tl.int64)
-    t64 = t.to(tl.int64)
+    b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sqb + t64[:, None] * sqt + head[:, None] * sqh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
     lo, hi = _key_range(t, MODE, block_len, block_stride, window)
-    t_first = (pid_m * BLOCK_M) // h
-    t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
-    lo_tile, _ = _key_range(t_first, MODE, block_len, block_stride, window)
-    _, hi_tile = _key_range(t_last, MODE, block_len, block_stride, window)
-
+    k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    kbase = K + b * skb + g * skg
-    vbase = V + b * svb + g * svg
-    for start in range((lo_tile // BLOCK_N) * BLOCK_N, hi_tile + 1, BLOCK_N):
-        kidx = start + tl.arange(0, BLOCK_N)
+    for start in range(k_start, k_end, BLOCK_N):
+        kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
         k_ok = (kidx >= 0) & (kidx < NK)
-        k = tl.load(kbase + kidx.to(tl.int64)[:, None] * skt + dk[None, :],
-                    mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(vbase + kidx.to(tl.int64)[:, None] * svt + dv[None, :],
-                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        k = load_tile(K, b * skb + g * skg + kidx * skt, dk, k_ok, DK)
+        v = load_tile(V, b * svb + g * svg + kidx * svt, dv, k_ok, DV)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    has_key = l_i > 0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-    tl.store(O + b * sob + t64[:, None] * sot + head[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
-    tl.store(LSE + b * slb + t64 * slt + head, lse, mask=row_ok)
+        m_i, l_i, acc = softmax_step(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc)
+    out, lse = softmax_finish(m_i, l_i, acc)
+    store_tile(O, b * sob + t * sot + head * soh, dv, row_ok, out, DV)
+    tl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -104,52 +98,30 @@ def _range_bwd_dq_kernel(
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = pid_bg % G
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T * h
-    t = rows // h
-    head = (g * h + rows % h).to(tl.int64)
-    t64 = t.to(tl.int64)
+    b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sqb + t64[:, None] * sqt + head[:, None] * sqh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    gate = tl.load(GATE + b * sgb + t64 * sgt + head * sgh, mask=row_ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * sdob + t64[:, None] * sdot + head[:, None] * sdoh + dv[None, :],
-                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    do = (do.to(tl.float32) * gate[:, None]).to(do.dtype)
-    lse2 = tl.load(LSE + b * slb + t64 * slt + head, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + b * slb + t64 * slt + head, mask=row_ok, other=0.0)
+    q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
+    do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
+                                     b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
     lo, hi = _key_range(t, MODE, block_len, block_stride, window)
-    t_first = (pid_m * BLOCK_M) // h
-    t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
-    lo_tile, _ = _key_range(t_first, MODE, block_len, block_stride, window)
-    _, hi_tile = _key_range(t_last, MODE, block_len, block_stride, window)
-
+    k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    kbase = K + b * skb + g * skg
-    vbase = V + b * svb + g * svg
-    for start in range((lo_tile // BLOCK_N) * BLOCK_N, hi_tile + 1, BLOCK_N):
-        kidx = start + tl.arange(0, BLOCK_N)
+    for start in range(k_start, k_end, BLOCK_N):
+        kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
         k_ok = (kidx >= 0) & (kidx < NK)
-        k = tl.load(kbase + kidx.to(tl.int64)[:, None] * skt + dk[None, :],
-                    mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(vbase + kidx.to(tl.int64)[:, None] * svt + dv[None, :],
-                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        k = load_tile(K, b * skb + g * skg + kidx * skt, dk, k_ok, DK)
+        v = load_tile(V, b * svb + g * svg + kidx * svt, dv, k_ok, DV)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     dq = dq * scale
-    dq_ptrs = DQ + b * sdqb + t64[:, None] * sdqt + head[:, None] * sdqh + dk[None, :]
-    dq_mask = row_ok[:, None] & (dk[None, :] < DK)
+    dq_off = b * sdqb + t * sdqt + head * sdqh
     if ACCUMULATE:
-        dq += tl.load(dq_ptrs, mask=dq_mask, other=0.0)
-    tl.store(dq_ptrs, dq, mask=dq_mask)
+        dq += load_tile(DQ, dq_off, dk, row_ok, DK)
+    store_tile(DQ, dq_off, dk, row_ok, dq, DK)
 
 
 @triton.jit
@@ -166,14 +138,14 @@ def _range_bwd_dkdv_kernel(
     pid_bg = tl.program_id(2)
     b = (pid_bg // G).to(tl.int64)
     g = pid_bg % G
-    kidx = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kidx = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     k_ok = kidx < NK
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + b * skb + g * skg + kidx.to(tl.int64)[:, None] * skt + dk[None, :],
-                mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    v = tl.load(V + b * svb + g * svg + kidx.to(tl.int64)[:, None] * svt + dv[None, :],
-                mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    k_off = b * skb + g * skg + kidx * skt
+    v_off = b * svb + g * svg + kidx * svt
+    k = load_tile(K, k_off, dk, k_ok, DK)
+    v = load_tile(V, v_off, dv, k_ok, DV)
     # Queries that can see any key of this tile.
     k_first = pid_n * BLOCK_N
     k_last = tl.minimum(NK - 1, k_first + BLOCK_N - 1)
@@ -183,47 +155,37 @@ def _range_bwd_dkdv_kernel(
     else:
         t_lo = k_first
         t_hi = tl.minimum(T - 1, k_last + window - 1)
-
-    dk_acc = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
-    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # This program covers rows [split_lo, split_hi) of the (token, head) rows that see the tile.
     split_lo = pid_split * rows_per_split
     split_hi = tl.minimum((t_hi + 1) * h, split_lo + rows_per_split)
     row_start = tl.maximum(split_lo, ((t_lo * h) // BLOCK_M) * BLOCK_M)
+    dk_acc = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for r0 in range(row_start, split_hi, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < split_hi
-        t = rows // h
+        t = (rows // h).to(tl.int64)
         head = (g * h + rows % h).to(tl.int64)
-        t64 = t.to(tl.int64)
-        q = tl.load(Q + b * sqb + t64[:, None] * sqt + head[:, None] * sqh + dk[None, :],
-                    mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        gate = tl.load(GATE + b * sgb + t64 * sgt + head * sgh, mask=row_ok, other=0.0).to(tl.float32)
-        do = tl.load(DO + b * sdob + t64[:, None] * sdot + head[:, None] * sdoh + dv[None, :],
-                     mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        do = (do.to(tl.float32) * gate[:, None]).to(do.dtype)
-        lse2 = tl.load(LSE + b * slb + t64 * slt + head, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + b * slb + t64 * slt + head, mask=row_ok, other=0.0)
+        q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
+        do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
+                                         b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
         lo, hi = _key_range(t, MODE, block_len, block_stride, window)
         visible = (kidx[:, None] >= lo[None, :]) & (kidx[:, None] <= hi[None, :]) & row_ok[None, :] & k_ok[:, None]
         st = tl.dot(k, tl.trans(q)) * scale_log2  # [BLOCK_N, BLOCK_M]
         pt = tl.where(visible, tl.exp2(st - lse2[None, :]), 0.0)
         dv_acc += tl.dot(pt.to(do.dtype), do)
-        dpt = tl.dot(v, tl.trans(do))
-        dst = pt * (dpt - delta[None, :])
+        dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk_acc += tl.dot(dst.to(q.dtype), q)
     dk_acc = dk_acc * scale
-    dk_ptrs = DKo + b * sdkb + g * sdkg + kidx.to(tl.int64)[:, None] * sdkt + dk[None, :]
-    dv_ptrs = DVo + b * sdvb + g * sdvg + kidx.to(tl.int64)[:, None] * sdvt + dv[None, :]
-    dk_mask = k_ok[:, None] & (dk[None, :] < DK)
-    dv_mask = k_ok[:, None] & (dv[None, :] < DV)
+    dk_off = b * sdkb + g * sdkg + kidx * sdkt
+    dv_off = b * sdvb + g * sdvg + kidx * sdvt
     if ATOMIC:  # several splits add into the same keys (float32, zero-initialised)
         if row_start < split_hi:
-            tl.atomic_add(dk_ptrs, dk_acc, mask=dk_mask)
-            tl.atomic_add(dv_ptrs, dv_acc, mask=dv_mask)
+            tl.atomic_add(DKo + dk_off[:, None] + dk[None, :], dk_acc, mask=k_ok[:, None] & (dk[None, :] < DK))
+            tl.atomic_add(DVo + dv_off[:, None] + dv[None, :], dv_acc, mask=k_ok[:, None] & (dv[None, :] < DV))
     else:
-        tl.store(dk_ptrs, dk_acc.to(DKo.dtype.element_ty), mask=dk_mask)
-        tl.store(dv_ptrs, dv_acc.to(DVo.dtype.element_ty), mask=dv_mask)
+        store_tile(DKo, dk_off, dk, k_ok, dk_acc, DK)
+        store_tile(DVo, dv_off, dv, k_ok, dv_acc, DV)
 
 
 # ---------------------------------------------------------------- launchers
@@ -235,10 +197,6 @@ def _blocks(q: torch.Tensor, dk: int, dv: int) -> dict:
     block_n = TUNING.range_block_n // 2 if max(dk, dv) > 64 else TUNING.range_block_n
     return dict(BLOCK_M=TUNING.range_block_m, BLOCK_N=block_n, num_warps=TUNING.range_warps,
                 num_stages=TUNING.range_stages)
-
-
-def _dims(dk: int, dv: int) -> dict:
-    return dict(DK=dk, DV=dv, BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)))
 
 
 def range_attention_fwd(q, k, v, mode: int, scale: float, block_len: int, block_stride: int, window: int):
@@ -255,7 +213,7 @@ def range_attention_fwd(q, k, v, mode: int, scale: float, block_len: int, block_
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         T, NK, G, h, scale * LOG2E, block_len, block_stride, window,
-        MODE=mode, **_dims(Dk, Dv), **cfg,
+        MODE=mode, **head_dims(Dk, Dv), **cfg,
     )
     return o, lse
 
@@ -279,7 +237,7 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
     )
     _range_bwd_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         q, k, v, do, gate, lse, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-        *common, MODE=mode, ACCUMULATE=accumulate, **_dims(Dk, Dv), **cfg,
+        *common, MODE=mode, ACCUMULATE=accumulate, **head_dims(Dk, Dv), **cfg,
     )
     # A compressed key is seen by every later query: split those rows over several programs
     # (float32 atomics add their partial sums) so that the few key tiles still fill the GPU.
@@ -295,6 +253,6 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
         _range_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]), splits, B * G)](
             q, k, v, do, gate, lse, delta, dk_out, dv_out, *strides,
             dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-            *common, rows_per_split, MODE=mode, ATOMIC=splits > 1, **_dims(Dk, Dv), **cfg,
+            *common, rows_per_split, MODE=mode, ATOMIC=splits > 1, **head_dims(Dk, Dv), **cfg,
         )
     return dk_out, dv_out

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .range_attention import LOG2E
+from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
 from .tuning import TUNING
 
 
@@ -59,6 +59,22 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
 
 
 @triton.jit
+def _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg, T, G, NS, sel_block, dk, dv,
+                DK: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr):
+    """A work item's block: (first entry, b, g, key positions, key ok, K tile, V tile)."""
+    key = tl.load(ITEM_KEY + item)  # (b * G + g) * NS + j
+    j = key % NS
+    b = (key // NS // G).to(tl.int64)
+    g = (key // NS) % G
+    lk = tl.arange(0, BLOCK_L)
+    kidx = (j * sel_block + lk).to(tl.int64)
+    k_ok = (lk < sel_block) & (kidx < T)
+    k = load_tile(K, b * skb + g * skg + kidx * skt, dk, k_ok, DK)
+    v = load_tile(V, b * svb + g * svg + kidx * svt, dv, k_ok, DV)
+    return tl.load(ITEM_START + item), b, g, kidx, k_ok, k, v
+
+
+@triton.jit
 def _item_rows(ENTRIES, start, r0, count, T, n, h, BLOCK_R: tl.constexpr):
     """(row ok, flat entry f, query t, head-in-group) for rows r0.. of an item; rows are (entry, head)."""
     rows = r0 + tl.arange(0, BLOCK_R)
@@ -79,38 +95,41 @@ def _sel_fwd_partial_kernel(
     item = tl.program_id(0)
     count = tl.load(ITEM_COUNT + item)
     if count > 0:
-        key = tl.load(ITEM_KEY + item)  # (b * G + g) * NS + j
-        start = tl.load(ITEM_START + item)
-        j = key % NS
-        b = (key // NS // G).to(tl.int64)
-        g = (key // NS) % G
-        lk = tl.arange(0, BLOCK_L)
-        kidx = (j * sel_block + lk).to(tl.int64)
-        k_ok = (lk < sel_block) & (kidx < T)
         dk = tl.arange(0, BLOCK_DK)
         dv = tl.arange(0, BLOCK_DV)
-        k = tl.load(K + b * skb + g * skg + kidx[:, None] * skt + dk[None, :],
-                    mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + g * svg + kidx[:, None] * svt + dv[None, :],
-                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        start, b, g, kidx, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
+                                                    T, G, NS, sel_block, dk, dv, DK, DV, BLOCK_L)
         for r0 in range(0, count * h, BLOCK_R):
             row_ok, f, t, hh = _item_rows(ENTRIES, start, r0, count, T, n, h, BLOCK_R)
-            head = (g * h + hh).to(tl.int64)
-            q = tl.load(Q + b * sqb + t[:, None] * sqt + head[:, None] * sqh + dk[None, :],
-                        mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+            q = load_tile(Q, b * sqb + t * sqt + (g * h + hh).to(tl.int64) * sqh, dk, row_ok, DK)
             s = tl.dot(q, tl.trans(k)) * scale_log2
-            visible = k_ok[None, :] & (kidx[None, :] <= t[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m = tl.max(s, 1)
-            m = tl.where(row_ok, m, 0.0)  # a selected block always holds a key <= t; padding rows have none
+            s = tl.where(k_ok[None, :] & (kidx[None, :] <= t[:, None]), s, float("-inf"))
+            m = tl.where(row_ok, tl.max(s, 1), 0.0)  # a selected block always holds a key <= t
             p = tl.exp2(s - m[:, None])
             l_sum = tl.sum(p, 1)
             l_safe = tl.where(l_sum > 0, l_sum, 1.0)
-            o = tl.dot(p.to(v.dtype), v) / l_safe[:, None]
             part = f * h + hh
-            tl.store(OPART + part[:, None] * DV + dv[None, :], o.to(OPART.dtype.element_ty),
-                     mask=row_ok[:, None] & (dv[None, :] < DV))
+            store_tile(OPART, part * DV, dv, row_ok, tl.dot(p.to(v.dtype), v) / l_safe[:, None], DV)
             tl.store(LSEPART + part, m + tl.log2(l_safe), mask=row_ok)
+
+
+@triton.jit
+def _token_rows(pid_bg, G, h, HP: tl.constexpr):
+    """(b, g, row ok, head) of a per-query program: its rows are the h heads of group g (padded to HP)."""
+    b = (pid_bg // G).to(tl.int64)
+    g = pid_bg % G
+    r = tl.arange(0, HP)
+    return b, g, r < h, (g * h + tl.where(r < h, r, 0)).to(tl.int64)
+
+
+@triton.jit
+def _token_block(IDX, idx_off, slot, K, V, kbase, vbase, skt, svt, t, sel_block, lk, dk, dv,
+                 DK: tl.constexpr, DV: tl.constexpr):
+    """Keys/values of query t's slot-th selected block, masked to positions <= t (all masked for -1)."""
+    j = tl.load(IDX + idx_off + slot)
+    kidx = j * sel_block + lk
+    k_ok = (j >= 0) & (lk < sel_block) & (kidx <= t)
+    return k_ok, load_tile(K, kbase + kidx * skt, dk, k_ok, DK), load_tile(V, vbase + kidx * svt, dv, k_ok, DV)
 
 
 @triton.jit
@@ -121,44 +140,23 @@ def _sel_token_fwd_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HP: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = pid_bg % G
-    t64 = t.to(tl.int64)
-    r = tl.arange(0, HP)
-    row_ok = r < h
-    head = (g * h + tl.where(row_ok, r, 0)).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)
+    b, g, row_ok, head = _token_rows(tl.program_id(1), G, h, HP)
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sqb + t64 * sqt + head[:, None] * sqh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    lk = tl.arange(0, BLOCK_L)
+    q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, BLOCK_DV], tl.float32)
-    kbase = K + b * skb + g * skg
-    vbase = V + b * svb + g * svg
-    lk = tl.arange(0, BLOCK_L)
     for slot in range(n_sel):
-        j = tl.load(IDX + b * sib + t64 * sit + g * sig + slot)
-        kidx = j * sel_block + lk
-        k_ok = (j >= 0) & (lk < sel_block) & (kidx <= t)
-        k = tl.load(kbase + kidx[:, None] * skt + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(vbase + kidx[:, None] * svt + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    out = acc / l_i[:, None]  # the current block is always selected: l_i > 0
-    lse = (m_i + tl.log2(l_i)) / 1.4426950408889634
-    tl.store(O + b * sob + t64 * sot + head[:, None] * soh + dv[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (dv[None, :] < DV))
-    tl.store(LSE + b * slb + t64 * slt + head, lse, mask=row_ok)
+        k_ok, k, v = _token_block(IDX, b * sib + t * sit + g * sig, slot, K, V, b * skb + g * skg, b * svb + g * svg,
+                                  skt, svt, t, sel_block, lk, dk, dv, DK, DV)
+        s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
+    out, lse = softmax_finish(m_i, l_i, acc)  # the current block is always selected: l_i > 0
+    store_tile(O, b * sob + t * sot + head * soh, dv, row_ok, out, DV)
+    tl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -170,42 +168,23 @@ def _sel_token_dq_kernel(
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, HP: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = pid_bg % G
-    t64 = t.to(tl.int64)
-    r = tl.arange(0, HP)
-    row_ok = r < h
-    head = (g * h + tl.where(row_ok, r, 0)).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)
+    b, g, row_ok, head = _token_rows(tl.program_id(1), G, h, HP)
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sqb + t64 * sqt + head[:, None] * sqh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    gate = tl.load(GATE + b * sgb + t64 * sgt + head * sgh, mask=row_ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + b * sdob + t64 * sdot + head[:, None] * sdoh + dv[None, :],
-                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-    do = (do.to(tl.float32) * gate[:, None]).to(do.dtype)
-    lse2 = tl.load(LSE + b * slb + t64 * slt + head, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + b * slb + t64 * slt + head, mask=row_ok, other=0.0)
-    dq = tl.zeros([HP, BLOCK_DK], tl.float32)
-    kbase = K + b * skb + g * skg
-    vbase = V + b * svb + g * svg
     lk = tl.arange(0, BLOCK_L)
+    q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
+    do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
+                                     b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
+    dq = tl.zeros([HP, BLOCK_DK], tl.float32)
     for slot in range(n_sel):
-        j = tl.load(IDX + b * sib + t64 * sit + g * sig + slot)
-        kidx = j * sel_block + lk
-        k_ok = (j >= 0) & (lk < sel_block) & (kidx <= t)
-        k = tl.load(kbase + kidx[:, None] * skt + dk[None, :], mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(vbase + kidx[:, None] * svt + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        k_ok, k, v = _token_block(IDX, b * sib + t * sit + g * sig, slot, K, V, b * skb + g * skg, b * svb + g * svg,
+                                  skt, svt, t, sel_block, lk, dk, dv, DK, DV)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         p = tl.where(k_ok[None, :] & row_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-    dq = dq * scale
-    tl.store(DQ + b * sdqb + t64 * sdqt + head[:, None] * sdqh + dk[None, :], dq,
-             mask=row_ok[:, None] & (dk[None, :] < DK))
+    store_tile(DQ, b * sdqb + t * sdqt + head * sdqh, dk, row_ok, dq * scale, DK)
 
 
 @triton.jit
@@ -216,19 +195,18 @@ def _finalize_kernel(
     MERGE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """o = sum of the gated branch outputs; with MERGE, o_sel is first merged from its per-block partials."""
-    pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = (pid_bg // G).to(tl.int64)
     g = pid_bg % G
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T * h
     t = (rows // h).to(tl.int64)
     hh = rows % h
     head = (g * h + hh).to(tl.int64)
     dv = tl.arange(0, BLOCK_DV)
-    mask = row_ok[:, None] & (dv[None, :] < DV)
     row_off = b * sob + t * sot + head * soh
     if MERGE:
+        # Exact split-softmax merge of the partials (each normalised by its own sum, lse in log2 units).
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -237,7 +215,7 @@ def _finalize_kernel(
             ok = row_ok & (j >= 0)
             part = (((b * G + g) * T + t) * n + slot) * h + hh
             lse = tl.load(LSEPART + part, mask=ok, other=float("-inf"))
-            o = tl.load(OPART + part[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
+            o = load_tile(OPART, part * DV, dv, ok, DV)
             m_new = tl.maximum(m_i, lse)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
@@ -246,19 +224,17 @@ def _finalize_kernel(
             l_i = l_i * alpha + w
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o_sel = acc / l_safe[:, None]
         tl.store(LSE_SEL + b * slb + t * slt + head, (m_i + tl.log2(l_safe)) / 1.4426950408889634, mask=row_ok)
-        tl.store(O_SEL + row_off[:, None] + dv[None, :], o_sel.to(O_SEL.dtype.element_ty), mask=mask)
+        store_tile(O_SEL, row_off, dv, row_ok, acc / l_safe[:, None], DV)
     # The stored (rounded) o_sel enters the sum, as it will in backward.
-    o_sel = tl.load(O_SEL + row_off[:, None] + dv[None, :], mask=mask, other=0.0).to(tl.float32)
+    o_sel = load_tile(O_SEL, row_off, dv, row_ok, DV).to(tl.float32)
     gate_off = b * sgb + t * sgt + head * sgh
     g_cmp = tl.load(GATES + gate_off, mask=row_ok, other=0.0).to(tl.float32)
     g_sel = tl.load(GATES + gate_off + 1, mask=row_ok, other=0.0).to(tl.float32)
     g_win = tl.load(GATES + gate_off + 2, mask=row_ok, other=0.0).to(tl.float32)
-    o_cmp = tl.load(O_CMP + row_off[:, None] + dv[None, :], mask=mask, other=0.0).to(tl.float32)
-    o_win = tl.load(O_WIN + row_off[:, None] + dv[None, :], mask=mask, other=0.0).to(tl.float32)
-    out = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel + g_win[:, None] * o_win
-    tl.store(O + row_off[:, None] + dv[None, :], out.to(O.dtype.element_ty), mask=mask)
+    o_cmp = load_tile(O_CMP, row_off, dv, row_ok, DV).to(tl.float32)
+    o_win = load_tile(O_WIN, row_off, dv, row_ok, DV).to(tl.float32)
+    store_tile(O, row_off, dv, row_ok, g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel + g_win[:, None] * o_win, DV)
 
 
 @triton.jit
@@ -273,50 +249,31 @@ def _sel_bwd_kernel(
     item = tl.program_id(0)
     count = tl.load(ITEM_COUNT + item)
     if count > 0:
-        key = tl.load(ITEM_KEY + item)
-        start = tl.load(ITEM_START + item)
-        j = key % NS
-        b = (key // NS // G).to(tl.int64)
-        g = (key // NS) % G
-        lk = tl.arange(0, BLOCK_L)
-        kidx = (j * sel_block + lk).to(tl.int64)
-        k_ok = (lk < sel_block) & (kidx < T)
         dk = tl.arange(0, BLOCK_DK)
         dv = tl.arange(0, BLOCK_DV)
-        k = tl.load(K + b * skb + g * skg + kidx[:, None] * skt + dk[None, :],
-                    mask=k_ok[:, None] & (dk[None, :] < DK), other=0.0)
-        v = tl.load(V + b * svb + g * svg + kidx[:, None] * svt + dv[None, :],
-                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        start, b, g, kidx, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
+                                                    T, G, NS, sel_block, dk, dv, DK, DV, BLOCK_L)
         dk_acc = tl.zeros([BLOCK_L, BLOCK_DK], tl.float32)
         dv_acc = tl.zeros([BLOCK_L, BLOCK_DV], tl.float32)
         for r0 in range(0, count * h, BLOCK_R):
             row_ok, f, t, hh = _item_rows(ENTRIES, start, r0, count, T, n, h, BLOCK_R)
             head = (g * h + hh).to(tl.int64)
-            q = tl.load(Q + b * sqb + t[:, None] * sqt + head[:, None] * sqh + dk[None, :],
-                        mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-            gate = tl.load(GATE + b * sgb + t * sgt + head * sgh, mask=row_ok, other=0.0).to(tl.float32)
-            do = tl.load(DO + b * sdob + t[:, None] * sdot + head[:, None] * sdoh + dv[None, :],
-                         mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
-            do = (do.to(tl.float32) * gate[:, None]).to(do.dtype)
-            lse2 = tl.load(LSE + b * slb + t * slt + head, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + b * slb + t * slt + head, mask=row_ok, other=0.0)
+            q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
+            do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
+                                             b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
             visible = k_ok[None, :] & row_ok[:, None] & (kidx[None, :] <= t[:, None])
             # Rows-major tiles measured faster on H200 than keys-major ones (which avoid the transposes):
             # 6.6 vs 12.1 ms at M7C 64k, 67 vs 97 ms at the paper shape (benchmarks/RESULTS.md).
             s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_R, BLOCK_L]
             p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
             dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q)
             if WRITE_DQ:
-                dq = tl.dot(ds.to(k.dtype), k) * scale
-                part = f * h + hh
-                tl.store(DQPART + part[:, None] * DK + dk[None, :], dq.to(DQPART.dtype.element_ty),
-                         mask=row_ok[:, None] & (dk[None, :] < DK))
-        tl.atomic_add(DKo + b * sdkb + g * sdkg + kidx[:, None] * sdkt + dk[None, :], dk_acc * scale,
+                store_tile(DQPART, (f * h + hh) * DK, dk, row_ok, tl.dot(ds.to(k.dtype), k) * scale, DK)
+        tl.atomic_add(DKo + (b * sdkb + g * sdkg + kidx * sdkt)[:, None] + dk[None, :], dk_acc * scale,
                       mask=k_ok[:, None] & (dk[None, :] < DK))
-        tl.atomic_add(DVo + b * sdvb + g * sdvg + kidx[:, None] * sdvt + dv[None, :], dv_acc,
+        tl.atomic_add(DVo + (b * sdvb + g * sdvg + kidx * sdvt)[:, None] + dv[None, :], dv_acc,
                       mask=k_ok[:, None] & (dv[None, :] < DV))
 
 
@@ -326,11 +283,10 @@ def _reduce_dq_kernel(
     DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """dq[t, head] = sum over the query's valid slots of its per-slot dQ partials (writes dq)."""
-    pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = (pid_bg // G).to(tl.int64)
     g = pid_bg % G
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T * h
     t = (rows // h).to(tl.int64)
     hh = rows % h
@@ -338,20 +294,12 @@ def _reduce_dq_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     for slot in range(n):
         j = tl.load(IDX + b * sib + t * sit + g * sig + slot, mask=row_ok, other=-1)
-        ok = row_ok & (j >= 0)
         part = (((b * G + g) * T + t) * n + slot) * h + hh
-        acc += tl.load(DQPART + part[:, None] * DK + dk[None, :], mask=ok[:, None] & (dk[None, :] < DK),
-                       other=0.0).to(tl.float32)
-    head = (g * h + hh).to(tl.int64)
-    tl.store(DQ + b * sdqb + t[:, None] * sdqt + head[:, None] * sdqh + dk[None, :], acc,
-             mask=row_ok[:, None] & (dk[None, :] < DK))
+        acc += load_tile(DQPART, part * DK, dk, row_ok & (j >= 0), DK).to(tl.float32)
+    store_tile(DQ, b * sdqb + t * sdqt + (g * h + hh).to(tl.int64) * sdqh, dk, row_ok, acc, DK)
 
 
 # ---------------------------------------------------------------- launchers
-
-
-def _dims(dk: int, dv: int) -> dict:
-    return dict(DK=dk, DV=dv, BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_DV=max(16, triton.next_power_of_2(dv)))
 
 
 def _item_launch(q: torch.Tensor) -> dict:
@@ -398,7 +346,7 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
     if per_token(h):
         _sel_token_fwd_kernel[(T, B * G)](
             q, k, v, indices, o_sel, lse_sel, *_strides(q, k, v, indices, o_sel), *lse_sel.stride()[:2],
-            T, G, h, scale * LOG2E, sel_block, n, **_dims(Dk, Dv), **_token_launch(q, h, sel_block),
+            T, G, h, scale * LOG2E, sel_block, n, **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
         )
         opart = lsepart = lse_sel  # unused by the kernel below
     else:
@@ -408,7 +356,7 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
         _sel_fwd_partial_kernel[(item_key.numel(),)](
             q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_strides(q, k, v),
             T, G, -(-T // sel_block), n, h, scale * LOG2E, sel_block,
-            **_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q),
+            **head_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q),
         )
     cfg = _row_launch(o)
     _finalize_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
@@ -438,13 +386,13 @@ def selected_backward(q, k, v, indices, inverse, do, gate, lse, delta, dq, scale
         q, k, v, do, gate, lse, delta, dk_out, dv_out, dqpart, item_key, item_start, item_count, entries,
         *grad_strides, *_strides(dk_out, dv_out),
         T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block, WRITE_DQ=not token,
-        **_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q),
+        **head_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q),
     )
     if token:
         _sel_token_dq_kernel[(T, B * G)](
             q, k, v, indices, do, gate, lse, delta, dq, *_strides(q, k, v, indices, do, gate), *lse.stride()[:2],
             *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
-            **_dims(Dk, Dv), **_token_launch(q, h, sel_block),
+            **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
         )
     else:
         cfg = _row_launch(q)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .range_attention import LOG2E
+from .common import LOG2E
 from .tuning import TUNING
 
 

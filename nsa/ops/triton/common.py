@@ -1,0 +1,57 @@
+"""Small @triton.jit building blocks shared by the NSA kernels (inlined by Triton)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+"""Kernels work in base 2 (exp2/log2); scores are pre-multiplied by scale * LOG2E."""
+
+
+@triton.jit
+def load_tile(PTR, row_off, d, row_ok, D: tl.constexpr):
+    """[rows, len(d)] tile whose row r starts at PTR + row_off[r]; masked rows and columns >= D read 0."""
+    return tl.load(PTR + row_off[:, None] + d[None, :], mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def store_tile(PTR, row_off, d, row_ok, value, D: tl.constexpr):
+    tl.store(PTR + row_off[:, None] + d[None, :], value.to(PTR.dtype.element_ty),
+             mask=row_ok[:, None] & (d[None, :] < D))
+
+
+@triton.jit
+def load_grad_rows(DO, GATE, LSE, DELTA, do_off, gate_off, lse_off, dv, row_ok, DV: tl.constexpr):
+    """For a branch's backward: (gate * do, the branch's lse in log2 units, its delta) of the given rows."""
+    gate = tl.load(GATE + gate_off, mask=row_ok, other=0.0).to(tl.float32)
+    do = load_tile(DO, do_off, dv, row_ok, DV)
+    do = (do.to(tl.float32) * gate[:, None]).to(do.dtype)
+    lse2 = tl.load(LSE + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
+    return do, lse2, delta
+
+
+@triton.jit
+def softmax_step(s, v, m_i, l_i, acc):
+    """One online-softmax update for scores s (log2 units, -inf where masked) over values v."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def softmax_finish(m_i, l_i, acc):
+    """(output, lse in natural units); rows that saw no key give 0 and -inf."""
+    has_key = l_i > 0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    return acc / l_safe[:, None], lse
+
+
+def head_dims(dk: int, dv: int) -> dict:
+    """Constexpr head dims and their power-of-two tile widths (at least 16 for tl.dot)."""
+    return dict(DK=dk, DV=dv, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
+                BLOCK_DV=max(16, triton.next_power_of_2(dv)))
