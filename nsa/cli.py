@@ -44,6 +44,26 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prepare(ns: argparse.Namespace) -> int:
+    from .config import load_config
+    from .data.prepare import prepare
+
+    path, overrides = _split_config_args(ns.args)
+    cfg = load_config(path, overrides)
+    meta = prepare(cfg.data, ns.out, shard_tokens=ns.shard_tokens, max_documents=ns.max_documents)
+    for split, info in meta["splits"].items():
+        print(f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens in {info['shards']} shard(s)")
+    print(f"wrote {ns.out} ({meta['tokenizer']} tokens); train with data.source=shards data.path={ns.out}")
+    return 0
+
+
+def _cmd_export(ns: argparse.Namespace) -> int:
+    from .train.checkpoint import export_safetensors
+
+    print(f"wrote {export_safetensors(ns.checkpoint, ns.out)}")
+    return 0
+
+
 def _cmd_config(ns: argparse.Namespace) -> int:
     import yaml
 
@@ -89,6 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP)
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize a data source once into token shards (then train with data.source=shards)",
+        description="Reads the data section of CONFIG (+ overrides), tokenizes every document and writes "
+        "train_*.bin / val_*.bin shards and meta.json into --out.",
+    )
+    p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP)
+    p.add_argument("--out", required=True, help="output folder (must be new or empty)")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
+    p.add_argument("--max-documents", type=int, default=0, help="stop after this many documents (0: all)")
+    p.set_defaults(func=_cmd_prepare)
+
+    p = sub.add_parser("export", help="consolidate a checkpoint's weights into one safetensors file")
+    p.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
+    p.add_argument("out", help="output .safetensors path")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("config", help="print the resolved configuration (with --docs: every key and its meaning)")
     p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .data.config import DataConfig
 from .errors import ConfigError
 from .model.config import ModelConfig
-from .train.config import TrainConfig
+from .train.config import CheckpointConfig, ParallelConfig, TrainConfig
 from .typed_config import apply_overrides, from_dict, load_yaml
 
 
@@ -21,6 +22,10 @@ class RunConfig:
     """The text and its tokenizer."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimisation, logging and outputs."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Single process, DDP or FSDP2, activation checkpointing, compilation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence, retention and resume."""
 
     def validate(self) -> None:
         self.model.validate()
@@ -28,9 +33,17 @@ class RunConfig:
         for key in ("steps", "seq_len", "batch_size", "grad_accum", "eval_batches", "log_every"):
             if getattr(t, key) < 1:
                 raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-        for key in ("warmup_steps", "eval_every", "checkpoint_every", "sample_tokens"):
+        for key in ("warmup_steps", "eval_every", "sample_tokens"):
             if getattr(t, key) < 0:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+        if self.checkpoint.every < 0 or self.checkpoint.keep < 0:
+            raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+        if self.parallel.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s must be > 0, got {self.parallel.timeout_s}")
+        if self.data.source in ("text", "jsonl", "parquet", "shards") and not self.data.path:
+            raise ConfigError(f"data.source={self.data.source} needs data.path=...")
+        if self.data.source == "hf" and not self.data.hf_name:
+            raise ConfigError("data.source=hf needs data.hf_name=... (e.g. HuggingFaceFW/fineweb-edu)")
         if t.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
         if not 0 <= t.min_lr_ratio <= 1:
@@ -39,9 +52,28 @@ class RunConfig:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.data.val_fraction}")
 
 
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_yaml_with_base(path: str, seen: tuple = ()) -> dict:
+    """A YAML config; a top-level `base: other.yaml` (relative to this file) is loaded first and overlaid."""
+    data = load_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    base_path = str(Path(path).parent / base)
+    if base_path in seen:
+        raise ConfigError(f"config '{path}' includes itself through 'base'")
+    return _deep_merge(load_yaml_with_base(base_path, seen + (base_path,)), data)
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults, then the YAML file (if any), then `key=value` overrides; validated."""
-    cfg = from_dict(RunConfig, load_yaml(path) if path else {})
+    """Defaults, then the YAML file (if any, with its `base`), then `key=value` overrides; validated."""
+    cfg = from_dict(RunConfig, load_yaml_with_base(path) if path else {})
     cfg = apply_overrides(cfg, overrides or [])
     cfg.validate()
     return cfg

@@ -38,9 +38,17 @@ def test_m7c_yaml_is_the_m7c_preset_with_the_seed_training_recipe():
     cfg = load_config(str(CONFIGS / "m7c.yaml"))
     assert cfg.model == m7c()
     t = cfg.train
-    assert (t.seq_len, t.lr, t.weight_decay, t.warmup_steps, t.grad_clip, t.steps, t.checkpoint_every, t.seed) == (
+    assert (t.seq_len, t.lr, t.weight_decay, t.warmup_steps, t.grad_clip, t.steps, cfg.checkpoint.every, t.seed) == (
         2048, 2e-4, 0.01, 2000, 1.0, 50000, 5000, 1337
     )
+    assert cfg.data.tokenizer == "gpt2"
+
+
+def test_a_yaml_base_is_loaded_first_and_overlaid():
+    cfg = load_config(str(CONFIGS / "m7c_fineweb.yaml"))
+    assert cfg.model == m7c() and cfg.train.lr == 2e-4  # from the base
+    assert (cfg.data.source, cfg.data.hf_name, cfg.data.hf_config) == ("hf", "HuggingFaceFW/fineweb-edu", "sample-10BT")
+    assert cfg.parallel.activation_checkpointing is True
 
 
 def test_overrides_are_typed_and_nested():

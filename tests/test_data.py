@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from nsa.data.config import DataConfig
-from nsa.data.packing import ShuffledBatches, TokenWindows, build_splits, pack, split_documents
+from nsa.data.loader import WindowBatches
+from nsa.data.packing import TokenWindows, build_splits, pack, split_documents
 from nsa.data.sources import embedded_corpus, text_files
 from nsa.data.tokenizers import ByteTokenizer, get_tokenizer, padded_vocab_size
 from nsa.errors import ConfigError, UserError
@@ -50,15 +51,20 @@ def test_windows_give_shifted_targets():
     assert x[1].tolist() == list(range(40, 48)) and y[1].tolist() == list(range(41, 49))
 
 
-def test_batches_cover_each_window_once_per_epoch_and_resume_exactly():
-    sampler = ShuffledBatches(num_windows=10, batch_size=3, seed=4)
-    first_epoch = [i for _ in range(3) for i in sampler.next_indices()] + sampler.next_indices()[:1]
-    assert sorted(first_epoch) == list(range(10))
-    state = sampler.state_dict()
-    expected = [sampler.next_indices() for _ in range(7)]
-    resumed = ShuffledBatches(num_windows=10, batch_size=3, seed=4)
+def test_batches_cover_each_window_once_per_epoch_split_over_ranks_and_resume_exactly():
+    windows = TokenWindows(np.arange(10 * 4 + 1), seq_len=4)  # 10 windows; window i starts at token 4i
+    firsts = lambda batch: (batch[0][:, 0] // 4).tolist()  # noqa: E731
+    one = WindowBatches(windows, batch_size=2, seed=4)
+    epoch = [i for _ in range(5) for i in firsts(one.next_batch())]
+    assert sorted(epoch) == list(range(10))
+    # Two ranks with half the batch see the same global batches, split between them.
+    ranks = [WindowBatches(windows, batch_size=1, seed=4, rank=r, world=2) for r in range(2)]
+    assert [i for _ in range(5) for r in ranks for i in firsts(r.next_batch())] == epoch
+    state = one.state_dict()
+    expected = [firsts(one.next_batch()) for _ in range(7)]
+    resumed = WindowBatches(windows, batch_size=2, seed=4)
     resumed.load_state_dict(state)
-    assert [resumed.next_indices() for _ in range(7)] == expected
+    assert [firsts(resumed.next_batch()) for _ in range(7)] == expected
 
 
 def test_text_files_source_reads_a_folder(tmp_path):

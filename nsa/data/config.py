@@ -8,13 +8,31 @@ from typing import Literal
 
 @dataclass
 class DataConfig:
-    """Where training text comes from and how it becomes tokens."""
+    """Where training text comes from, how it becomes tokens, and how batches are fed."""
 
-    source: Literal["embedded", "text"] = "embedded"
-    """'embedded': the King James Bible shipped as a pip dependency; 'text': local .txt files (data.path)."""
+    source: Literal["embedded", "text", "jsonl", "parquet", "hf", "shards", "synthetic"] = "embedded"
+    """'embedded': the King James Bible shipped as a pip dependency; 'text': local .txt files; 'jsonl' /
+    'parquet': local files streamed through `datasets`; 'hf': a Hugging Face dataset streamed from the hub;
+    'shards': token shards written by `nsa prepare` (the fast default for long runs); 'synthetic': random
+    tokens (benchmarks)."""
     path: str = ""
-    """A .txt file or a folder searched recursively for .txt files (source='text')."""
-    tokenizer: Literal["byte"] = "byte"
-    """Tokenizer: 'byte' (UTF-8 bytes plus an end-of-text token)."""
+    """File, folder or glob for text/jsonl/parquet sources; the `nsa prepare` output folder for shards."""
+    text_field: str = "text"
+    """Record field holding the document text (jsonl, parquet, hf)."""
+    hf_name: str = ""
+    """Hugging Face dataset name for source='hf', e.g. HuggingFaceFW/fineweb-edu."""
+    hf_config: str = ""
+    """Hugging Face dataset configuration, e.g. sample-10BT."""
+    hf_split: str = "train"
+    """Hugging Face split to stream."""
+    tokenizer: Literal["byte", "gpt2", "hf"] = "byte"
+    """'byte' (UTF-8 bytes + end-of-text), 'gpt2' (tiktoken, offline ranks file) or 'hf' (a local tokenizer.json)."""
+    tokenizer_path: str = ""
+    """The GPT-2 ranks file (optional; found in the openai-whisper package otherwise) or the tokenizer.json for 'hf'."""
     val_fraction: float = 0.05
-    """Share held out for validation: every round(1/val_fraction)-th document, or the stream's tail when there are too few documents."""
+    """Share held out for validation: every round(1/val_fraction)-th document (for small local text sources
+    with too few documents, the stream's tail)."""
+    prefetch: int = 2
+    """Batches prepared ahead on a background thread."""
+    first_batch_timeout_s: float = 300.0
+    """Fail with a clear message if the first batch takes longer than this (e.g. an unreachable dataset)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,44 +48,8 @@ class TokenWindows:
         return rows[:, :-1], rows[:, 1:]
 
 
-@dataclass
-class SamplerState:
-    epoch: int = 0
-    cursor: int = 0
-
-
-class ShuffledBatches:
-    """Batches of window indices in a fresh seeded permutation each epoch; resumable from its state."""
-
-    def __init__(self, num_windows: int, batch_size: int, seed: int):
-        self.num_windows, self.batch_size, self.seed = num_windows, batch_size, seed
-        self.state = SamplerState()
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_windows, generator=g).tolist()
-
-    def next_indices(self) -> list[int]:
-        out = []
-        while len(out) < self.batch_size:
-            if self.state.cursor == self.num_windows:
-                self.state = SamplerState(self.state.epoch + 1, 0)
-                self._order = self._permutation(self.state.epoch)
-            take = min(self.batch_size - len(out), self.num_windows - self.state.cursor)
-            out += self._order[self.state.cursor : self.state.cursor + take]
-            self.state.cursor += take
-        return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.state.epoch, "cursor": self.state.cursor}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = SamplerState(int(state["epoch"]), int(state["cursor"]))
-        self._order = self._permutation(self.state.epoch)
-
-
 def load_documents(cfg: DataConfig) -> list[str]:
+    """All documents of a small local source (embedded corpus or .txt files)."""
     docs = list(embedded_corpus() if cfg.source == "embedded" else text_files(cfg.path))
     if not docs:
         raise UserError(f"data source '{cfg.source}' produced no documents")

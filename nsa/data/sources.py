@@ -1,7 +1,13 @@
-"""Document sources: the embedded corpus and local text files. Each yields one string per document."""
+"""Document sources. Each yields one string per document.
+
+Small local sources (the embedded corpus, .txt files) are read whole; jsonl, parquet and
+Hugging Face datasets are streamed through `datasets` (sharded per rank, resumable from
+the dataset's own state).
+"""
 
 from __future__ import annotations
 
+import glob
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,3 +58,46 @@ def text_files(path: str) -> Iterator[str]:
         text = f.read_text(encoding="utf-8", errors="replace")
         if text.strip():
             yield text
+
+
+def local_files(path: str, suffix: str) -> list[str]:
+    """Files for a jsonl/parquet source: one file, a folder (searched recursively) or a glob pattern."""
+    if not path:
+        raise UserError(f"data.source needs data.path=FILE_FOLDER_OR_GLOB of *{suffix} files")
+    p = Path(path).expanduser()
+    if p.is_file():
+        return [str(p)]
+    files = sorted(str(f) for f in p.rglob(f"*{suffix}")) if p.is_dir() else sorted(glob.glob(str(p)))
+    if not files:
+        raise UserError(f"data.path '{path}' matches no *{suffix} files")
+    return files
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise UserError("this data source needs the datasets package: pip install datasets") from None
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def open_stream(source: str, path: str, hf_name: str, hf_config: str, hf_split: str):
+    """A streaming `datasets.IterableDataset` for a jsonl, parquet or Hugging Face source."""
+    datasets = _datasets()
+    try:
+        if source in ("jsonl", "parquet"):
+            files = local_files(path, ".jsonl" if source == "jsonl" else ".parquet")
+            builder = "json" if source == "jsonl" else "parquet"
+            return datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
+        if not hf_name:
+            raise UserError("data.source='hf' needs data.hf_name (e.g. HuggingFaceFW/fineweb-edu)")
+        return datasets.load_dataset(hf_name, hf_config or None, split=hf_split, streaming=True)
+    except UserError:
+        raise
+    except Exception as e:  # the hub being unreachable surfaces as many exception types
+        raise UserError(
+            f"could not open data source '{hf_name or path}' ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+            "check the name and the network, or prepare shards where the data is reachable (nsa prepare) "
+            "and train with data.source=shards"
+        ) from None

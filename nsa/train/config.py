@@ -12,6 +12,9 @@ class TrainConfig:
 
     steps: int = 500
     """Optimizer steps to run."""
+    stop_after: int = 0
+    """End this launch after this many steps, with a checkpoint (for time-sliced jobs; the schedule still spans
+    train.steps and the next launch resumes); 0 runs to train.steps."""
     seq_len: int = 256
     """Tokens per training sequence."""
     batch_size: int = 8
@@ -36,8 +39,6 @@ class TrainConfig:
     """Micro-batches of held-out windows per validation."""
     log_every: int = 10
     """Write a metrics row every this many steps."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every this many steps; 0 saves only at the end."""
     seed: int = 1337
     """Seed for initialisation and data order."""
     device: str = "auto"
@@ -47,10 +48,42 @@ class TrainConfig:
     out_dir: str = "runs"
     """Folder that receives one sub-folder per run."""
     run_name: str = ""
-    """Name of this run's folder; empty uses the attention kind and a timestamp."""
+    """Name of this run's folder; empty uses the attention kind and a timestamp. Name a run to resume it."""
     sample_tokens: int = 200
     """Tokens to generate at the end of training as a sample; 0 skips it."""
     sample_prompt: str = "And God said"
     """Prompt of the end-of-run sample."""
     progress: bool = True
     """Show a progress bar (otherwise one line per log step)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How training is spread over processes (launch several with `torchrun --nproc_per_node=N -m nsa train`)."""
+
+    mode: Literal["auto", "single", "ddp", "fsdp"] = "auto"
+    """'auto' is DDP when several processes were launched, else single; 'fsdp' shards parameters, gradients
+    and optimizer state (FSDP2, per block and at the root; bf16 parameters with fp32 reduction under bf16)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (non-reentrant): less memory, about a third more compute."""
+    compile: bool = False
+    """torch.compile each block."""
+    allow_single_process: bool = False
+    """Allow one process on a machine with several visible GPUs (otherwise an error naming the torchrun command)."""
+    timeout_s: float = 600.0
+    """Collective timeout: a rank waiting longer than this fails the job instead of hanging it."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free each block's gathered parameters after its forward (less memory, one more all-gather)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints (torch.distributed.checkpoint), resume and retention."""
+
+    every: int = 0
+    """Save every this many steps; 0 saves only at the end (a halt or Ctrl-C also saves)."""
+    keep: int = 3
+    """Complete checkpoints kept per run (older ones are deleted); 0 keeps all."""
+    resume: str = "auto"
+    """'auto' continues from the latest checkpoint in this run's folder (train.out_dir/train.run_name) if there
+    is one; 'none' starts fresh; or the path of a checkpoint or run folder to start from."""

@@ -1,0 +1,280 @@
+"""Batches for one rank: from windows (in memory or shards), from a document stream, or synthetic.
+
+Every batch stream is deterministic given (seed, rank, world size) and exposes the exact
+position after the last batch it returned (`state_dict`), so a resumed run continues
+with the very next batch. `Prefetcher` runs a stream on a background thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..errors import UserError
+from .config import DataConfig
+from .packing import build_splits
+from .shards import ShardWindows, load_meta
+from .sources import open_stream
+from .tokenizers import Tokenizer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class BatchStream(Protocol):
+    def next_batch(self) -> Batch: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Windows(Protocol):
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: list[int]) -> Batch: ...
+
+
+class WindowBatches:
+    """Shuffled windows: each epoch a fresh seeded permutation; global batch i is entries
+    [i * world * B, (i + 1) * world * B) of it and rank r takes its r-th slice of B."""
+
+    def __init__(self, windows: Windows, batch_size: int, seed: int, rank: int = 0, world: int = 1):
+        if len(windows) == 0:
+            raise UserError("the training data holds no complete window of train.seq_len + 1 tokens")
+        self.windows, self.batch_size, self.seed, self.rank, self.world = windows, batch_size, seed, rank, world
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.windows), generator=g).tolist()
+
+    def _take(self, count: int) -> list[int]:
+        out = []
+        while len(out) < count:
+            if self.cursor == len(self._order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = min(count - len(out), len(self._order) - self.cursor)
+            out += self._order[self.cursor : self.cursor + take]
+            self.cursor += take
+        return out
+
+    def next_batch(self) -> Batch:
+        global_batch = self._take(self.world * self.batch_size)
+        return self.windows.batch(global_batch[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._order = self._permutation(self.epoch)
+
+
+class StreamBatches:
+    """Documents streamed through `datasets` (sharded over ranks), packed into windows of seq_len + 1.
+
+    Every round(1/val_fraction)-th document of a rank's shard is validation, the rest training.
+    State: the dataset's own position, the document counter and the tokens not yet emitted.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: int, rank: int, world: int,
+                 split: str):
+        self.cfg, self.tokenizer, self.seq_len, self.batch_size = cfg, tokenizer, seq_len, batch_size
+        self.rank, self.world, self.split = rank, world, split
+        self.stride = max(2, round(1 / cfg.val_fraction)) if cfg.val_fraction > 0 else 0
+        self.dataset = open_stream(cfg.source, cfg.path, cfg.hf_name, cfg.hf_config, cfg.hf_split)
+        if world > 1:
+            from datasets.distributed import split_dataset_by_node
+
+            self.dataset = split_dataset_by_node(self.dataset, rank=rank, world_size=world)
+        self.doc_index = 0
+        self.buffer: list[int] = []
+        self._it = None
+
+    def _wanted(self, doc_index: int) -> bool:
+        is_val = self.stride > 0 and doc_index % self.stride == self.stride - 1
+        return is_val == (self.split == "val")
+
+    def _next_window(self) -> list[int]:
+        if self._it is None:
+            self._it = iter(self.dataset)
+        while len(self.buffer) < self.seq_len + 1:
+            try:
+                record = next(self._it)
+            except StopIteration:
+                self._it = iter(self.dataset)  # next epoch of the stream
+                if not self.buffer and self.doc_index == 0:
+                    raise UserError(f"data source '{self.cfg.hf_name or self.cfg.path}' is empty") from None
+                continue
+            index, self.doc_index = self.doc_index, self.doc_index + 1
+            if not self._wanted(index):
+                continue
+            if self.cfg.text_field not in record:
+                raise UserError(
+                    f"data.text_field='{self.cfg.text_field}' is not a field of the records "
+                    f"(fields: {', '.join(sorted(record))}); set data.text_field"
+                )
+            self.buffer += self.tokenizer.encode(record[self.cfg.text_field]).tolist() + [self.tokenizer.eot_id]
+        window, self.buffer = self.buffer[: self.seq_len + 1], self.buffer[self.seq_len :]
+        return window
+
+    def next_batch(self) -> Batch:
+        rows = torch.tensor([self._next_window() for _ in range(self.batch_size)], dtype=torch.int64)
+        return rows[:, :-1], rows[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"dataset": copy.deepcopy(self.dataset.state_dict()), "doc_index": self.doc_index,
+                "buffer": list(self.buffer)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dataset.load_state_dict(state["dataset"])
+        self.doc_index, self.buffer, self._it = int(state["doc_index"]), list(state["buffer"]), None
+
+
+class SyntheticBatches:
+    """Uniformly random tokens (for benchmarks); batch i of rank r depends only on (seed, r, i)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, seed: int, rank: int = 0):
+        self.vocab_size, self.seq_len, self.batch_size, self.seed, self.rank = vocab_size, seq_len, batch_size, seed, rank
+        self.counter = 0
+
+    def next_batch(self) -> Batch:
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_033 + self.counter)
+        self.counter += 1
+        rows = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=g)
+        return rows[:, :-1], rows[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"counter": self.counter}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counter = int(state["counter"])
+
+
+class Prefetcher:
+    """Produces batches of a stream on a background thread; `state_dict` is the position after the
+    last batch handed out (not the last one prepared), so checkpoints stay exact."""
+
+    _END = object()
+
+    def __init__(self, stream: BatchStream, depth: int, first_batch_timeout_s: float, source: str):
+        self.stream, self.depth, self.timeout, self.source = stream, depth, first_batch_timeout_s, source
+        self._state = stream.state_dict()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._delivered = 0
+
+    def _produce(self) -> None:
+        try:
+            while not self._stop.is_set():
+                item = (self.stream.next_batch(), self.stream.state_dict())
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # handed to the training thread, which raises it
+            self._queue.put(e)
+
+    def next_batch(self) -> Batch:
+        if self.depth <= 0:  # no thread: produce inline
+            batch = self.stream.next_batch()
+            self._state = self.stream.state_dict()
+            return batch
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._produce, name="nsa-data", daemon=True)
+            self._thread.start()
+        timeout = self.timeout if self._delivered == 0 else None
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            self.close()
+            raise UserError(
+                f"no training batch from data source '{self.source}' after {self.timeout:.0f}s "
+                "(data.first_batch_timeout_s); check the path or network, or prepare shards with `nsa prepare`"
+            ) from None
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        batch, self._state = item
+        self._delivered += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return copy.deepcopy(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._thread is not None:
+            raise RuntimeError("load the data state before the first batch")
+        self.stream.load_state_dict(state)
+        self._state = self.stream.state_dict()
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+@dataclass
+class Data:
+    """A rank's training batches and its fixed validation batches."""
+
+    train: Prefetcher
+    val: list[Batch]
+    description: str
+
+
+def _window_val_batches(windows: Windows | None, batch_size: int, n_batches: int, rank: int, world: int):
+    """The first n_batches * world * B validation windows, in order; rank r takes its slices."""
+    if windows is None or len(windows) == 0:
+        return []
+    out = []
+    for b in range(n_batches):
+        start = (b * world + rank) * batch_size
+        indices = [i % len(windows) for i in range(start, start + batch_size)]
+        out.append(windows.batch(indices))
+    return out
+
+
+def build_data(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: int, eval_batches: int, seed: int,
+               rank: int = 0, world: int = 1) -> Data:
+    if cfg.source == "synthetic":
+        stream = SyntheticBatches(tokenizer.vocab_size, seq_len, batch_size, seed, rank)
+        val_stream = SyntheticBatches(tokenizer.vocab_size, seq_len, batch_size, seed + 1_000_003, rank)
+        val = [val_stream.next_batch() for _ in range(eval_batches)] if cfg.val_fraction > 0 else []
+        return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, "synthetic"), val,
+                    f"synthetic tokens (vocab {tokenizer.vocab_size})")
+    if cfg.source in ("jsonl", "parquet", "hf"):
+        stream = StreamBatches(cfg, tokenizer, seq_len, batch_size, rank, world, "train")
+        val = []
+        if cfg.val_fraction > 0:
+            val_stream = StreamBatches(cfg, tokenizer, seq_len, batch_size, rank, world, "val")
+            val = [val_stream.next_batch() for _ in range(eval_batches)]
+        name = cfg.hf_name or cfg.path
+        return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, name), val,
+                    f"{cfg.source} stream '{name}' ({tokenizer.name} tokens)")
+    if cfg.source == "shards":
+        meta = load_meta(cfg.path)
+        if meta["tokenizer"] != tokenizer.name:
+            raise UserError(
+                f"shards in '{cfg.path}' were made with the '{meta['tokenizer']}' tokenizer; "
+                f"set data.tokenizer={meta['tokenizer']}"
+            )
+        train_windows = ShardWindows(cfg.path, "train", seq_len)
+        val_windows = ShardWindows(cfg.path, "val", seq_len)
+        description = f"shards '{cfg.path}': {train_windows.n_tokens:,} train / {val_windows.n_tokens:,} val tokens"
+    else:
+        train_windows, val_windows = build_splits(cfg, tokenizer, seq_len)
+        n_val = len(val_windows.tokens) if val_windows else 0
+        description = f"{cfg.source} ({tokenizer.name} tokens): {len(train_windows.tokens):,} train / {n_val:,} val tokens"
+    stream = WindowBatches(train_windows, batch_size, seed, rank, world)
+    val = _window_val_batches(val_windows, batch_size, eval_batches, rank, world)
+    return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, cfg.path or cfg.source), val, description)
+

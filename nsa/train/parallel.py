@@ -1,0 +1,69 @@
+"""Parallelism applied from outside the model: activation checkpointing, torch.compile, DDP or FSDP2."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+from ..errors import UserError
+from .config import ParallelConfig
+from .distributed import DistInfo
+
+
+def resolve_mode(cfg: ParallelConfig, info: DistInfo) -> str:
+    if cfg.mode == "auto":
+        return "ddp" if info.distributed else "single"
+    if cfg.mode in ("ddp", "fsdp") and not info.distributed:
+        raise UserError(f"parallel.mode={cfg.mode} needs several processes: launch with "
+                        f"`torchrun --nproc_per_node=N -m nsa train ...` (or use parallel.mode=single)")
+    if cfg.mode == "single" and info.distributed:
+        raise UserError("parallel.mode=single but several processes were launched; use parallel.mode=ddp or fsdp")
+    return cfg.mode
+
+
+def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mode: str, bf16: bool) -> nn.Module:
+    """Wrap blocks for recomputation and compilation, then replicate (DDP) or shard (FSDP2) the model."""
+    layers = model.layers
+    for i, block in enumerate(layers):
+        if cfg.activation_checkpointing:
+            block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        if cfg.compile:
+            block.compile()
+        layers[i] = block
+    if mode == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # bf16 parameters for compute, fp32 gradient reduction and fp32 master weights in the optimizer.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        kwargs = {"mp_policy": mp} if mp else {}
+        for block in layers:
+            fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [info.device.index] if info.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The Transformer inside a DDP wrapper (FSDP2 shards in place, so it is already the model)."""
+    return model.module if hasattr(model, "module") and not hasattr(model, "layers") else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, mode: str, enabled: bool):
+    """Reduce gradients across ranks only on the last micro-batch of an accumulation."""
+    if mode == "ddp" and not enabled:
+        with model.no_sync():
+            yield
+    elif mode == "fsdp":
+        model.set_requires_gradient_sync(enabled)
+        yield
+    else:
+        yield

@@ -1,0 +1,103 @@
+"""Multi-process training on CPU: 2-rank gloo torchrun runs of DDP and FSDP2 against one process,
+exact resume with 2 ranks, and the launch guardrails."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa.cli import main
+from nsa.errors import UserError
+
+TINY = [
+    "model.n_layers=2", "model.dim=64", "model.head_dim=16", "model.mlp_hidden=128", "train.seq_len=64",
+    "train.progress=false", "train.log_every=1", "train.eval_every=4", "train.sample_tokens=0", "train.steps=8",
+]
+
+
+def losses(run_dir: Path) -> dict[int, tuple[float, str]]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return {int(r["step"]): (float(r["loss"]), r["val_loss"]) for r in csv.DictReader(f)}
+
+
+def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "nsa", "train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    assert main(["train", *TINY, f"train.out_dir={out}", "train.run_name=single", "train.batch_size=4"]) == 0
+    return losses(out / "single")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process_on_the_same_global_batch(mode, single_run, tmp_path):
+    proc = torchrun([*TINY, f"train.out_dir={tmp_path}", f"train.run_name={mode}", "train.batch_size=2",
+                     f"parallel.mode={mode}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[rank 0] local rank 0, world size 2" in proc.stderr and "[rank 1] local rank 1, world size 2" in proc.stderr
+    got = losses(tmp_path / mode)
+    assert got.keys() == single_run.keys()
+    for step, (loss, val) in single_run.items():
+        assert got[step][0] == pytest.approx(loss, abs=2e-4), step
+        if val:
+            assert float(got[step][1]) == pytest.approx(float(val), abs=2e-4)
+
+
+def test_two_rank_run_stopped_and_resumed_continues_the_loss_curve_exactly(tmp_path):
+    common = [*TINY, f"train.out_dir={tmp_path}", "train.batch_size=2", "parallel.mode=ddp",
+              "parallel.activation_checkpointing=true"]
+    full = torchrun([*common, "train.run_name=full"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    first = torchrun([*common, "train.run_name=cut", "train.stop_after=3"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(losses(tmp_path / "cut")) == [1, 2, 3]
+    second = torchrun([*common, "train.run_name=cut"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    want, got = losses(tmp_path / "full"), losses(tmp_path / "cut")
+    assert got.keys() == want.keys()
+    for step in want:
+        assert got[step][0] == want[step][0], (step, got[step], want[step])  # bit-identical
+
+
+def test_ranks_with_different_configs_fail_fast(tmp_path):
+    # torchrun gives every rank the same arguments; a config file that differs per rank mimics a broken launch.
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import os, sys\n"
+        "from nsa.cli import main\n"
+        f"sys.exit(main(['train', *{TINY!r}, 'train.out_dir={tmp_path}', 'train.lr=' + str(1e-3 * (1 + int(os.environ['RANK'])))]))\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    assert "ranks disagree on the config: rank 1 differs from rank 0 in train.lr" in proc.stderr
+
+
+def test_ddp_without_several_processes_names_the_launch_command(capsys, tmp_path):
+    assert main(["train", *TINY, f"train.out_dir={tmp_path}", "parallel.mode=fsdp"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.mode=fsdp needs several processes: launch with `torchrun --nproc_per_node=N" in err
+
+
+def test_several_visible_gpus_with_one_process_is_an_error(monkeypatch):
+    from nsa.train import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    with pytest.raises(UserError, match=r"4 GPUs are visible but this is a single process; launch one process per "
+                                        r"GPU with `torchrun --nproc_per_node=4 -m nsa train"):
+        distributed.init_distributed("cuda", 60, allow_single_process=False)
+    info = distributed.init_distributed("cuda", 60, allow_single_process=True)
+    assert info.world_size == 1 and info.device == torch.device("cuda", 0)
