@@ -97,6 +97,15 @@ def _cmd_bench_attention(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_train(ns: argparse.Namespace) -> int:
+    from .bench import training
+
+    path, overrides = _split_config_args(ns.args or ["m7c"])
+    training.run(path, overrides, seq_lens=ns.seq_lens, attentions=ns.attention.split(","),
+                 batch_tokens=ns.batch_tokens, steps=ns.steps, warmup=ns.warmup, out_dir=ns.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nsa", description="Native Sparse Attention language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,6 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=int, default=None, metavar="T",
                    help="also time forward+backward as each kernel launch parameter varies, at length T")
     p.set_defaults(func=_cmd_bench_attention)
+
+    p = bench.add_parser(
+        "train",
+        help="training tokens/s, MFU and peak memory: NSA vs dense (run under torchrun for several GPUs)",
+        description="Runs the trainer on synthetic tokens for each sequence length, NSA and dense in the same run. "
+        "Under `torchrun --nproc_per_node=N -m nsa bench train ...` it measures the N-GPU job.",
+    )
+    p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP + " (default: m7c)")
+    p.add_argument("--seq-lens", type=_int_list, default="2048,8192,32768", help="comma-separated sequence lengths")
+    p.add_argument("--attention", default="nsa,dense", help="comma-separated: nsa, dense")
+    p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per micro-batch per rank")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")
+    p.set_defaults(func=_cmd_bench_train)
     return parser
 
 

@@ -16,6 +16,7 @@ from nsa.errors import UserError
 TINY = [
     "model.n_layers=2", "model.dim=64", "model.head_dim=16", "model.mlp_hidden=128", "train.seq_len=64",
     "train.progress=false", "train.log_every=1", "train.eval_every=4", "train.sample_tokens=0", "train.steps=8",
+    "train.grad_clip=0.05",  # always active: checks the global norm under DDP and FSDP2
 ]
 
 

@@ -1,6 +1,7 @@
 """End-to-end training on the embedded corpus, run artifacts, checkpoints and CLI errors."""
 
 import csv
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import yaml
 
 from nsa.cli import main
 from nsa.config import load_config
+from nsa.errors import UserError
 from nsa.model import Transformer
 from nsa.model.config import ModelConfig
 from nsa.train import checkpoint
@@ -137,3 +139,44 @@ def test_lr_schedule_warms_up_linearly_then_follows_a_cosine_to_the_floor():
     assert f[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
     assert f[10] == pytest.approx(1.0) and f[60] == pytest.approx(0.55) and f[110] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
+
+
+def test_training_with_torch_compile_and_activation_checkpointing(tmp_path):
+    result = train(load_config(None, FAST + [f"train.out_dir={tmp_path}", "train.steps=3", "train.log_every=1",
+                                             "train.sample_tokens=0", "parallel.compile=true",
+                                             "parallel.activation_checkpointing=true", "model.attention=dense"]))
+    plain = train(load_config(None, FAST + [f"train.out_dir={tmp_path}", "train.steps=3", "train.log_every=1",
+                                            "train.sample_tokens=0", "model.attention=dense"]))
+    for step in plain.losses:
+        assert result.losses[step] == pytest.approx(plain.losses[step], abs=1e-4)
+
+
+def test_a_non_finite_loss_halts_with_a_checkpoint_and_a_message(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real_forward = Transformer.forward
+
+    def poisoned(self, tokens, targets=None):
+        out = real_forward(self, tokens, targets)
+        calls["n"] += 1
+        return out * float("nan") if targets is not None and calls["n"] == 4 else out
+
+    monkeypatch.setattr(Transformer, "forward", poisoned)
+    cfg = load_config(None, FAST + [f"train.out_dir={tmp_path}", "train.run_name=nan", "train.steps=20",
+                                    "train.log_every=5", "checkpoint.every=2", "train.sample_tokens=0"])
+    with pytest.raises(UserError, match=r"non-finite at step 4; stopped at step 5 .* the last good checkpoint is "
+                                        r".*step_00000004"):
+        train(cfg)
+    assert (tmp_path / "nan" / "checkpoints" / "halt_00000005" / "COMPLETE.json").is_file()
+    assert checkpoint.latest(tmp_path / "nan").name == "step_00000004"
+
+
+def test_training_flops_count_attention_keys_per_query():
+    from nsa.bench.training import attention_keys_per_query
+    from nsa.model import m7c
+
+    cfg = load_config(None, [])
+    dense = dataclasses.replace(cfg, model=dataclasses.replace(m7c(), attention="dense"))
+    sparse = dataclasses.replace(cfg, model=m7c())
+    assert attention_keys_per_query(dense, 32768) == 16384
+    # 32k: ~1024 compressed (on average) + 16 x 64 selected + 512 window, the ratio of DESIGN.md section 5.
+    assert attention_keys_per_query(sparse, 32768) == pytest.approx(1023 + 1024 + 512, abs=1)

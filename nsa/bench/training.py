@@ -1,0 +1,105 @@
+"""`nsa bench train`: training throughput, MFU and peak memory, NSA against dense in the same run.
+
+It runs the real trainer (`Trainer.train_step`) on synthetic tokens, so parallelism, activation
+checkpointing and compilation are exactly what `nsa train` does. Under torchrun it measures the
+multi-GPU job (tokens/s summed over ranks); compare with a 1-process run of the same command.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import torch
+
+from ..config import load_config
+from ..errors import UserError
+from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
+from ..train.loop import Trainer
+from .common import environment, format_table, write_results
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+"""Dense bf16 datasheet peaks used for MFU (override with --peak-tflops)."""
+
+
+def attention_keys_per_query(cfg, seq_len: int) -> float:
+    """Average keys one query attends to: T/2 for dense causal; compressed + selected + window for NSA."""
+    if cfg.model.attention == "dense":
+        return seq_len / 2
+    n = cfg.model.nsa
+    compressed = max(0.0, (seq_len - n.block_len) / n.block_stride) / 2
+    return compressed + min(seq_len / 2, n.n_sel * n.sel_block) + min(seq_len / 2, n.window)
+
+
+def flops_per_token(cfg, n_params: int, seq_len: int) -> float:
+    """6 N for the weights (embeddings excluded) plus 12 L H D keys for attention, forward and backward."""
+    m = cfg.model
+    non_embedding = n_params - m.vocab_size * m.dim
+    return 6 * non_embedding + 12 * m.n_layers * m.n_heads * m.head_dim * attention_keys_per_query(cfg, seq_len)
+
+
+def _peak_tflops(override: float | None) -> float:
+    if override:
+        return override
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 989.0)
+
+
+def measure(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int, steps: int,
+            warmup: int, info: DistInfo) -> dict:
+    batch = max(1, batch_tokens // seq_len)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(config, [
+            *overrides, f"model.attention={attention}", f"train.seq_len={seq_len}", f"train.batch_size={batch}",
+            "data.source=synthetic", "data.tokenizer=byte", "data.val_fraction=0", "train.progress=false",
+            "train.sample_tokens=0", f"train.out_dir={out}", "train.run_name=bench", "checkpoint.resume=none",
+            f"train.steps={warmup + steps + 1}",
+        ])
+        trainer = Trainer(cfg, info)
+        for _ in range(warmup):
+            trainer.train_step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss, _ = trainer.train_step()
+            loss.item()  # waits for the step to finish
+            times.append(time.perf_counter() - start)
+        trainer.data.train.close()
+        step_s = all_reduce_mean(torch.tensor(statistics.median(times), device=info.device), info).item()
+        peak_gb = torch.cuda.max_memory_allocated() / 2**30
+        tok_s = trainer.tokens_per_step / step_s
+        flops = flops_per_token(trainer.cfg, trainer.n_params, seq_len)
+        row = {"attention": attention, "seq_len": seq_len, "batch_per_rank": batch, "ranks": info.world_size,
+               "mode": trainer.mode, "tokens_per_s": tok_s,
+               "mfu": tok_s * flops / (info.world_size * _peak_tflops(None) * 1e12), "peak_mem_gb": peak_gb,
+               "step_ms": step_s * 1e3}
+        del trainer
+    torch.cuda.empty_cache()
+    return row
+
+
+def run(config: str | None, overrides: list[str], seq_lens: list[int], attentions: list[str], batch_tokens: int,
+        steps: int, warmup: int, out_dir: str) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise UserError("nsa bench train needs a CUDA GPU")
+    info = init_distributed("auto", 600.0, allow_single_process=True)
+    try:
+        rows = [measure(config, overrides, a, T, batch_tokens, steps, warmup, info)
+                for T in seq_lens for a in attentions]
+        for row in rows:
+            dense = next((r for r in rows if r["attention"] == "dense" and r["seq_len"] == row["seq_len"]), None)
+            row["vs_dense"] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
+        if info.is_main:
+            meta = environment() | {"config": config or "defaults", "overrides": overrides,
+                                    "batch_tokens_per_rank": batch_tokens, "steps": steps, "warmup": warmup}
+            print(f"{meta['device']}  torch {meta['torch']}  ranks {info.world_size}")
+            print(format_table(rows, ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "tokens_per_s",
+                                      "vs_dense", "mfu", "peak_mem_gb", "step_ms"]))
+            paths = write_results(rows, out_dir, f"train_{info.world_size}rank", meta)
+            print("wrote " + ", ".join(map(str, paths)))
+        return rows
+    finally:
+        shutdown(info)
