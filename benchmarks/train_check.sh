@@ -1,28 +1,51 @@
 #!/usr/bin/env bash
-# Training checks on a machine with two GPUs (e.g. the device kind nvidia-h200-x2), in one call:
-#   1. `nsa bench train`: M7C tokens/s, MFU and peak memory, NSA vs dense, one GPU, seq 2048/8k/32k;
-#   2. the same at seq 2048 on one GPU and on two (DDP, FSDP2), activation checkpointing on;
-#   3. 1000-step M7C runs on two GPUs under DDP and under FSDP2, on real text.
-# Before the call, on a machine with the packages:  nsa prepare configs/m7c.yaml --out data/kjv-gpt2
-# (GPT-2 tokens of the embedded corpus, ~2 MB) and carry data/ with the call. Run from the repository root.
+# Training checks on a machine with two GPUs (the device kind nvidia-h200-x2). Phases, given as arguments (several per call):
+#   tests: the GPU kernel tests (tests/test_triton_gpu.py);
+#   bench: `nsa bench train` (M7C tokens/s, MFU, peak memory, NSA vs dense, one GPU,
+#          seq 2048/8k/32k, torch.compile on); then seq 2048 with activation checkpointing on one GPU and
+#          on two (DDP, FSDP2);
+#   health: the cost of the NSA health statistics (`nsa bench train`, NSA at seq 2048, one GPU);
+#   runs:  1000-step M7C runs on two GPUs under DDP and under FSDP2, on real text, then `nsa report`.
+# Before `runs`, on a machine with the packages:  nsa prepare configs/m7c.yaml --out data/kjv-gpt2
+# (GPT-2 tokens of the embedded corpus, ~2 MB), copy the GPT-2 ranks file to data/gpt2.tiktoken (the GPU
+# machine has no network and no openai-whisper), and carry data/ with the call. Run from the repository root.
 set -o pipefail
+phases=${*:?usage: train_check.sh [tests] [bench] [health] [runs]}; phase=${phases// /-}
 OUT=${OUT:-/tmp/nsa-train-check}
-mkdir -p "$OUT"
+W=/tmp/nsa-train-check-work  # everything lands here; $OUT gets the logs plus one tarball (few files travel back)
+mkdir -p "$OUT" "$W"
+trap 'tar czf "$OUT/$phase.tgz" -C "$W" --exclude="*.distcp" --exclude="rank*.pt" . ; cp "$W"/*.log "$OUT"/ 2>/dev/null' EXIT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 BYTES="data.tokenizer=byte model.vocab_size=50304"  # synthetic tokens: the vocabulary only sets the size
-nvidia-smi --query-gpu=name,memory.total --format=csv
+FAST="parallel.compile=true"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
-python3 -m nsa bench train m7c $BYTES --out "$OUT/one" 2>&1 | tee "$OUT/bench_1gpu.log"
-python3 -m nsa bench train m7c $BYTES parallel.activation_checkpointing=true --seq-lens 2048 \
-  --out "$OUT/one_ac" 2>&1 | tee "$OUT/bench_1gpu_ac.log"
-for mode in ddp fsdp; do
-  torchrun --standalone --nproc_per_node=2 -m nsa bench train m7c $BYTES parallel.mode=$mode \
-    parallel.activation_checkpointing=true --seq-lens 2048 --out "$OUT/$mode" 2>&1 | tee "$OUT/bench_2gpu_$mode.log"
-done
+if [[ " $phases " == *" tests "* ]]; then
+  python3 -m pytest -q -x tests/test_triton_gpu.py 2>&1 | tail -5 | tee "$W/gpu_tests.log"
+fi
 
-for mode in ddp fsdp; do
-  torchrun --standalone --nproc_per_node=2 -m nsa train configs/m7c.yaml data.source=shards data.path=data/kjv-gpt2 \
-    train.steps=1000 train.warmup_steps=100 train.eval_every=250 train.log_every=50 train.progress=false \
-    checkpoint.every=250 parallel.mode=$mode parallel.activation_checkpointing=true \
-    train.out_dir="$OUT/runs" train.run_name=m7c-$mode-1000 2>&1 | tee "$OUT/run_$mode.log" | grep -E "step|error|done"
-done
+if [[ " $phases " == *" bench "* ]]; then
+  python3 -m nsa bench train m7c $BYTES $FAST --steps 6 --warmup 3 --out "$W/one" 2>&1 | tee "$W/bench_1gpu.log"
+  python3 -m nsa bench train m7c $BYTES $FAST parallel.activation_checkpointing=true --seq-lens 2048 \
+    --attention nsa --steps 6 --warmup 3 --out "$W/one_ac" 2>&1 | tee "$W/bench_1gpu_ac.log"
+  for mode in ddp fsdp; do
+    torchrun --standalone --nproc_per_node=2 -m nsa bench train m7c $BYTES $FAST parallel.mode=$mode \
+      parallel.activation_checkpointing=true --seq-lens 2048 --attention nsa --steps 6 --warmup 3 \
+      --out "$W/$mode" 2>&1 | tee "$W/bench_2gpu_$mode.log"
+  done
+fi
+
+if [[ " $phases " == *" health "* ]]; then  # the cost of the NSA health statistics at M7C scale
+  python3 -m nsa bench train m7c $BYTES $FAST --attention nsa --seq-lens 2048 --steps 6 --warmup 3 \
+    --out "$W/health" 2>&1 | tee "$W/bench_health.log"
+fi
+
+if [[ " $phases " == *" runs "* ]]; then
+  for mode in ddp fsdp; do
+    torchrun --standalone --nproc_per_node=2 -m nsa train configs/m7c.yaml data.source=shards data.path=data/kjv-gpt2 \
+      train.steps=1000 train.warmup_steps=100 train.eval_every=250 train.log_every=50 train.progress=false \
+      checkpoint.every=250 parallel.mode=$mode $FAST data.tokenizer_path=data/gpt2.tiktoken train.out_dir="$W/runs" train.run_name=m7c-$mode-1000 \
+      2>&1 | tee "$W/run_$mode.log" | grep -E "step (1|250|500|750|1000)/|val|error|warning|done|nsa train|rank"
+    python3 -m nsa report "$W/runs/m7c-$mode-1000" --out "$W/report_$mode" | tail -1
+  done
+fi

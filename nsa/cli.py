@@ -1,4 +1,4 @@
-"""The `nsa` command: `nsa train [CONFIG] [key=value ...]`, `nsa config ...`."""
+"""The `nsa` command: `nsa train [CONFIG] [key=value ...]`, `nsa config ...`, `nsa report RUN_DIR`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,16 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     from .train.checkpoint import export_safetensors
 
     print(f"wrote {export_safetensors(ns.checkpoint, ns.out)}")
+    return 0
+
+
+def _cmd_report(ns: argparse.Namespace) -> int:
+    from .telemetry.report import REPORT_IMAGES, render_report
+
+    report = render_report(Path(ns.run_dir), Path(ns.out) if ns.out else None)
+    images = [name for name in REPORT_IMAGES if (report.parent / name).exists()]
+    print(f"wrote {report}")
+    print(f"files in {report.parent}: {', '.join([report.name] + images)}")
     return 0
 
 
@@ -135,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
     p.add_argument("out", help="output .safetensors path")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "report",
+        help="plots and a markdown summary of a run folder (finished or still running)",
+        description="Reads RUN_DIR's metrics.csv (and nsa_stats.jsonl, heartbeat_rank*.jsonl, env.json, config.yaml "
+        "when present) and writes loss/throughput/lr/memory/gate/selection PNGs and report.md.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/<name>")
+    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("config", help="print the resolved configuration (with --docs: every key and its meaning)")
     p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP)

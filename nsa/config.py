@@ -8,6 +8,7 @@ from pathlib import Path
 from .data.config import DataConfig
 from .errors import ConfigError
 from .model.config import ModelConfig
+from .telemetry.config import TelemetryConfig
 from .train.config import CheckpointConfig, ParallelConfig, TrainConfig
 from .typed_config import apply_overrides, from_dict, load_yaml
 
@@ -26,6 +27,8 @@ class RunConfig:
     """Single process, DDP or FSDP2, activation checkpointing, compilation."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence, retention and resume."""
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """Run artifacts (heartbeats, TensorBoard), NSA health statistics and the stall watchdog."""
 
     def validate(self) -> None:
         self.model.validate()
@@ -38,6 +41,10 @@ class RunConfig:
                 raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
         if self.checkpoint.every < 0 or self.checkpoint.keep < 0:
             raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+        tel = self.telemetry
+        if tel.stall_timeout_s < 0 or tel.health_every < 0 or tel.health_tokens < 1:
+            raise ConfigError("telemetry.stall_timeout_s and telemetry.health_every must be >= 0, "
+                              "telemetry.health_tokens >= 1")
         if self.parallel.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s must be > 0, got {self.parallel.timeout_s}")
         if self.data.source in ("text", "jsonl", "parquet", "shards") and not self.data.path:

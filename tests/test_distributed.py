@@ -2,6 +2,7 @@
 exact resume with 2 ranks, and the launch guardrails."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import torch
 
 from nsa.cli import main
 from nsa.errors import UserError
+from nsa.telemetry.heartbeat import read_events
+from nsa.telemetry.report import render_report
 
 TINY = [
     "model.n_layers=2", "model.dim=64", "model.head_dim=16", "model.mlp_hidden=128", "train.seq_len=64",
@@ -39,18 +42,58 @@ def single_run(tmp_path_factory):
     return losses(out / "single")
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    out = tmp_path_factory.mktemp("two_rank")
+    runs = {}
+    for mode in ("ddp", "fsdp"):
+        proc = torchrun([*TINY, f"train.out_dir={out}", f"train.run_name={mode}", "train.batch_size=2",
+                         f"parallel.mode={mode}", "telemetry.health_every=1"])
+        runs[mode] = (out / mode, proc)
+    return runs
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_ranks_match_one_process_on_the_same_global_batch(mode, single_run, tmp_path):
-    proc = torchrun([*TINY, f"train.out_dir={tmp_path}", f"train.run_name={mode}", "train.batch_size=2",
-                     f"parallel.mode={mode}"])
+def test_two_ranks_match_one_process_on_the_same_global_batch(mode, single_run, two_rank_runs):
+    run, proc = two_rank_runs[mode]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 0] local rank 0, world size 2" in proc.stderr and "[rank 1] local rank 1, world size 2" in proc.stderr
-    got = losses(tmp_path / mode)
+    got = losses(run)
     assert got.keys() == single_run.keys()
     for step, (loss, val) in single_run.items():
         assert got[step][0] == pytest.approx(loss, abs=2e-4), step
         if val:
             assert float(got[step][1]) == pytest.approx(float(val), abs=2e-4)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_rank_runs_leave_every_ranks_artifacts_and_a_report(mode, two_rank_runs):
+    run, proc = two_rank_runs[mode]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        events = read_events(run / f"heartbeat_rank{rank}.jsonl")
+        names = [e["event"] for e in events]
+        assert names[0] == "boot" and names[-1] == "done" and names.count("step") == 8, (rank, names)
+        assert {e["rank"] for e in events} == {rank} and events[0]["world_size"] == 2
+    assert json.loads((run / "env.json").read_text())["world_size"] == 2
+    stats = [json.loads(line) for line in (run / "nsa_stats.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in stats] == list(range(1, 9))
+    # Both ranks' probe sequences are counted: 2 ranks x 64 tokens, every token picks at least one block.
+    assert sum(stats[0]["distance_counts"][0]) >= 2 * 64
+    report = render_report(run)
+    assert (report.parent / "gates.png").is_file() and "8" in report.read_text()
+
+
+def test_health_statistics_agree_between_ddp_and_fsdp(two_rank_runs):
+    records = {}
+    for mode, (run, proc) in two_rank_runs.items():
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[mode] = json.loads((run / "nsa_stats.jsonl").read_text().splitlines()[0])
+    for ddp, fsdp in zip(records["ddp"]["layers"], records["fsdp"]["layers"]):
+        assert fsdp["gate_mean"] == pytest.approx(ddp["gate_mean"], abs=1e-5)
+        assert fsdp["gate_std"] == pytest.approx(ddp["gate_std"], abs=1e-5)
+        assert fsdp["sel_distance_mean"] == pytest.approx(ddp["sel_distance_mean"], rel=1e-3)
+    assert records["fsdp"]["distance_counts"] == records["ddp"]["distance_counts"]
 
 
 def test_two_rank_run_stopped_and_resumed_continues_the_loss_curve_exactly(tmp_path):

@@ -16,6 +16,7 @@ from nsa.errors import UserError
 from nsa.model import Transformer
 from nsa.model.config import ModelConfig
 from nsa.train import checkpoint
+from nsa.telemetry.heartbeat import read_events
 from nsa.train.loop import train
 from nsa.typed_config import from_dict
 
@@ -37,7 +38,8 @@ def test_short_run_lowers_the_loss_and_leaves_artifacts(tmp_path, attention):
     assert result.val_loss is not None and result.val_loss < result.first_loss - 1.0
     run = tmp_path / "r"
     rows = list(csv.DictReader(open(run / "metrics.csv")))
-    assert list(rows[0]) == ["step", "tokens", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"]
+    assert list(rows[0]) == ["step", "tokens", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s",
+                            "mem_gb", "data_wait"]
     assert [int(r["step"]) for r in rows] == [1, 10, 20, 30, 40, 50, 60, 70, 80]
     assert rows[3]["val_loss"] == "" and float(rows[4]["val_loss"]) > 0
     saved = yaml.safe_load(open(run / "config.yaml"))
@@ -163,11 +165,14 @@ def test_a_non_finite_loss_halts_with_a_checkpoint_and_a_message(tmp_path, monke
     monkeypatch.setattr(Transformer, "forward", poisoned)
     cfg = load_config(None, FAST + [f"train.out_dir={tmp_path}", "train.run_name=nan", "train.steps=20",
                                     "train.log_every=5", "checkpoint.every=2", "train.sample_tokens=0"])
-    with pytest.raises(UserError, match=r"non-finite at step 4; stopped at step 5 .* the last good checkpoint is "
-                                        r".*step_00000004"):
+    # Step 4's update already used the NaN gradients, so the last good checkpoint is step 2's.
+    with pytest.raises(UserError, match=r"non-finite at step 4; stopped at step 4 .* the last good checkpoint is "
+                                        r".*step_00000002"):
         train(cfg)
-    assert (tmp_path / "nan" / "checkpoints" / "halt_00000005" / "COMPLETE.json").is_file()
-    assert checkpoint.latest(tmp_path / "nan").name == "step_00000004"
+    assert (tmp_path / "nan" / "checkpoints" / "halt_00000004" / "COMPLETE.json").is_file()
+    assert checkpoint.latest(tmp_path / "nan").name == "step_00000002"
+    events = [e["event"] for e in read_events(tmp_path / "nan" / "heartbeat_rank0.jsonl")]
+    assert events[-1] == "halt" and "done" not in events
 
 
 def test_training_flops_count_attention_keys_per_query():

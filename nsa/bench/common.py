@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from ..telemetry.environment import git_revision, versions
 
 
 def time_cuda(fn, *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50, budget_ms: float = 400.0) -> float:
@@ -35,33 +35,15 @@ def time_cuda(fn, *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50, bud
     return statistics.median(times)
 
 
-def _git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def environment() -> dict:
-    import triton
-
-    env = {
+    v = versions()
+    return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "git": _git_revision(),
+        **{k: v[k] for k in ("torch", "triton", "cuda", "python")},
+        "git": git_revision(),
+        "fla": v["fla"],
     }
-    try:
-        import fla
-
-        env["fla"] = getattr(fla, "__version__", "installed")
-    except ImportError:
-        env["fla"] = None
-    return env
 
 
 def write_results(rows: list[dict], out_dir: str | Path, name: str, meta: dict) -> tuple[Path, Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,37 +47,56 @@ def _peak_tflops(override: float | None) -> float:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 989.0)
 
 
+def _health_probe_ms(trainer: Trainer, reps: int = 5) -> float | None:
+    """Median time of one NSA health-statistics record (probe, cross-rank sum, summary) as in training."""
+    if trainer.cfg.model.attention != "nsa" or trainer.cfg.telemetry.health_every <= 0:
+        return None
+    times = []
+    for _ in range(reps):
+        trainer.health_step = None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.health_record(is_last=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def measure(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int, steps: int,
             warmup: int, info: DistInfo) -> dict:
     batch = max(1, batch_tokens // seq_len)
-    with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(config, [
-            *overrides, f"model.attention={attention}", f"train.seq_len={seq_len}", f"train.batch_size={batch}",
-            "data.source=synthetic", "data.tokenizer=byte", "data.val_fraction=0", "train.progress=false",
-            "train.sample_tokens=0", f"train.out_dir={out}", "train.run_name=bench", "checkpoint.resume=none",
-            f"train.steps={warmup + steps + 1}",
-        ])
-        trainer = Trainer(cfg, info)
-        for _ in range(warmup):
-            trainer.train_step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            loss, _ = trainer.train_step()
-            loss.item()  # waits for the step to finish
-            times.append(time.perf_counter() - start)
-        trainer.data.train.close()
-        step_s = all_reduce_mean(torch.tensor(statistics.median(times), device=info.device), info).item()
-        peak_gb = torch.cuda.max_memory_allocated() / 2**30
-        tok_s = trainer.tokens_per_step / step_s
-        flops = flops_per_token(trainer.cfg, trainer.n_params, seq_len)
-        row = {"attention": attention, "seq_len": seq_len, "batch_per_rank": batch, "ranks": info.world_size,
-               "mode": trainer.mode, "tokens_per_s": tok_s,
-               "mfu": tok_s * flops / (info.world_size * _peak_tflops(None) * 1e12), "peak_mem_gb": peak_gb,
-               "step_ms": step_s * 1e3}
-        del trainer
+    torch._dynamo.reset()  # each shape compiles static, as in a real run, not as a dynamic-shape recompile
+    # One folder name for every rank: the ranks check that they were given the same config.
+    out = Path(tempfile.gettempdir()) / "nsa-bench-train"
+    cfg = load_config(config, [
+        *overrides, f"model.attention={attention}", f"train.seq_len={seq_len}", f"train.batch_size={batch}",
+        "data.source=synthetic", "data.tokenizer=byte", "data.val_fraction=0", "train.progress=false",
+        "train.sample_tokens=0", f"train.out_dir={out}", f"train.run_name={attention}-{seq_len}", "checkpoint.resume=none",
+        f"train.steps={warmup + steps + 1}",
+    ])
+    trainer = Trainer(cfg, info)
+    for _ in range(warmup):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss, _ = trainer.train_step()
+        loss.item()  # waits for the step to finish
+        times.append(time.perf_counter() - start)
+    health_ms = _health_probe_ms(trainer)
+    trainer.data.train.close()
+    step_s = all_reduce_mean(torch.tensor(statistics.median(times), device=info.device), info).item()
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30
+    tok_s = trainer.tokens_per_step / step_s
+    flops = flops_per_token(trainer.cfg, trainer.n_params, seq_len)
+    row = {"attention": attention, "seq_len": seq_len, "batch_per_rank": batch, "ranks": info.world_size,
+           "mode": trainer.mode, "tokens_per_s": tok_s,
+           "mfu": tok_s * flops / (info.world_size * _peak_tflops(None) * 1e12), "peak_mem_gb": peak_gb,
+           "step_ms": step_s * 1e3, "health_ms": health_ms,
+           "health_cost": health_ms / (trainer.cfg.telemetry.health_every * step_s * 1e3) if health_ms else None}
+    del trainer
     torch.cuda.empty_cache()
     return row
 
@@ -97,7 +117,7 @@ def run(config: str | None, overrides: list[str], seq_lens: list[int], attention
                                     "batch_tokens_per_rank": batch_tokens, "steps": steps, "warmup": warmup}
             print(f"{meta['device']}  torch {meta['torch']}  ranks {info.world_size}")
             print(format_table(rows, ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "tokens_per_s",
-                                      "vs_dense", "mfu", "peak_mem_gb", "step_ms"]))
+                                      "vs_dense", "mfu", "peak_mem_gb", "step_ms", "health_ms", "health_cost"]))
             paths = write_results(rows, out_dir, f"train_{info.world_size}rank", meta)
             print("wrote " + ", ".join(map(str, paths)))
         return rows

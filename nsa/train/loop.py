@@ -10,8 +10,8 @@ next logging step and stops them all with a checkpoint and a message.
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,14 +28,16 @@ from ..data.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
 from ..errors import UserError
 from ..model import Transformer
 from ..model.sampling import sample
-from ..telemetry.metrics import MetricsCSV
+from ..telemetry import health
+from ..telemetry.gate_watch import GateWatch
+from ..telemetry.run_log import RunLog
+from ..telemetry.watchdog import Watchdog
 from ..typed_config import to_dict
 from . import checkpoint
 from .distributed import DistInfo, all_reduce_mean, any_rank, check_same_config, init_distributed, shutdown
 from .optim import build_optimizer, build_scheduler
 from .parallel import apply_parallelism, gradient_sync, resolve_mode, unwrap
-
-METRIC_FIELDS = ["step", "tokens", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"]
+from .stop import StopDecision, StopRequests
 
 
 @dataclass
@@ -125,6 +127,10 @@ class Trainer:
         self.tokens_per_step = t.batch_size * t.grad_accum * t.seq_len * info.world_size
         self.step = 0
         self.bad_step = torch.full((), -1, dtype=torch.long, device=info.device)
+        self.halt_path = self.run_dir / "HALT"
+        self.data_wait_s = 0.0
+        self.last_batch: torch.Tensor | None = None
+        self.health_step: int | None = None
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -175,13 +181,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.info.device)
         for micro in range(t.grad_accum):
+            waited = time.perf_counter()
             x, y = self.data.train.next_batch()
+            self.data_wait_s += time.perf_counter() - waited
             x, y = x.to(self.info.device, non_blocking=True), y.to(self.info.device, non_blocking=True)
             with gradient_sync(self.model, self.mode, micro == t.grad_accum - 1):
                 with self._autocast():
                     loss = self.model(x, y) / t.grad_accum
                 loss.backward()
             total += loss.detach()
+        self.last_batch = x
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -204,19 +213,55 @@ class Trainer:
         self.model.train()
         return all_reduce_mean(torch.stack(losses).mean(), self.info).item()
 
-    def _halt_if_non_finite(self) -> None:
-        bad = self.bad_step.clone()
+    def health_record(self, is_last: bool) -> dict | None:
+        """NSA health statistics of the last batch's first sequence, summed over ranks, when due (every rank
+        calls this on every logging step)."""
+        every = self.cfg.telemetry.health_every
+        if every <= 0 or self.last_batch is None:
+            return None
+        if not (self.health_step is None or is_last or self.step // every > self.health_step // every):
+            return None
+        self.health_step = self.step
+        tokens = self.last_batch[:1, : self.cfg.telemetry.health_tokens]
+        with self._autocast():
+            sums = health.probe(self.model, tokens)
+        if sums is None:
+            return None
         if self.info.distributed:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item() < 0:
-            return
+            for value in sums.values():
+                dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        if not self.info.is_main:
+            return None
+        return health.summarize(sums, health.distance_edges(self.cfg.model.nsa.sel_block, tokens.shape[1]))
+
+    # ------------------------------------------------------------------ stopping
+
+    def _halt_non_finite(self, bad_step: int) -> None:
         last_good = checkpoint.latest(self.run_dir)
         halted = self.save(self.run_dir / "checkpoints" / f"halt_{self.step:08d}")
+        self.log.event("halt", self.step, reason="non-finite", bad_step=bad_step, path=str(halted))
         raise UserError(
-            f"the loss or gradient norm became non-finite at step {bad.item()}; stopped at step {self.step} with a "
+            f"the loss or gradient norm became non-finite at step {bad_step}; stopped at step {self.step} with a "
             f"checkpoint for inspection at {halted}; the last good checkpoint is {last_good} (resume continues "
             "from it); lower train.lr or check the data"
         )
+
+    def _halt_requested(self) -> Path:
+        path = self.save()
+        self.log.event("halt", self.step, reason="HALT file", path=str(path))
+        if self.info.is_main:
+            self.halt_path.unlink(missing_ok=True)  # so that the resumed run does not stop at once
+        self._print(f"stopped at step {self.step} because {self.halt_path} appeared (now removed); checkpoint: "
+                    f"{path}; run the same command again to continue")
+        return path
+
+    def _check_stop(self, decision: StopDecision | None) -> bool:
+        """Act on an agreed stop request: raise on non-finite numbers; True when a HALT file asks to stop."""
+        if decision is None or not decision.stop:
+            return False
+        if decision.bad_step >= 0:
+            self._halt_non_finite(decision.bad_step)
+        return True
 
     # ------------------------------------------------------------------ the run
 
@@ -224,18 +269,49 @@ class Trainer:
         if self.info.is_main:
             (bar.write if bar is not None else print)(message)
 
-    def _metrics(self) -> MetricsCSV | None:
-        if not self.info.is_main:
-            return None
-        path = self.run_dir / "metrics.csv"
-        kept = []
-        if self.step > 0 and path.exists():  # resumed: drop rows logged after the checkpoint
-            with open(path, newline="") as f:
-                kept = [r for r in csv.DictReader(f) if int(r["step"]) <= self.step]
-        metrics = MetricsCSV(path, METRIC_FIELDS)
-        for row in kept:
-            metrics.write(row)
-        return metrics
+    def _open_log(self, resumed: Path | None) -> None:
+        info, tel = self.info, self.cfg.telemetry
+        self.log = RunLog(self.run_dir, info.rank, info.is_main, to_dict(self.cfg), info.world_size, self.step,
+                          tel.tensorboard)
+        self.log.event("boot", self.step, local_rank=info.local_rank, world_size=info.world_size,
+                       device=str(info.device), pid=os.getpid(), mode=self.mode)
+        if resumed:
+            self.log.event("resume", self.step, path=str(resumed))
+        self.watchdog = Watchdog(self.run_dir, info.rank, tel.stall_timeout_s, self.log.heartbeat)
+        self.watchdog.install_signal_handler()
+        self.stops = StopRequests(self.halt_path, info)
+        self.gate_watch = GateWatch(tel.gate_collapse, tel.gate_flat_steps)
+
+    def _log_step(self, step: int, loss: torch.Tensor, norm: torch.Tensor, window: tuple[float, int], start: float,
+                  bar: tqdm, evaluate: bool, is_last: bool) -> dict:
+        """Metrics, health and heartbeat of a logging step (all ranks: it holds collectives); the metrics row."""
+        info = self.info
+        loss_value = all_reduce_mean(loss, info).item()
+        now = time.perf_counter()
+        seconds = max(now - window[0], 1e-9)
+        tok_s = (step - window[1]) * self.tokens_per_step / seconds
+        mem_gb = None
+        if info.device.type == "cuda":
+            mem_gb = torch.cuda.max_memory_allocated(info.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(info.device)
+        data_wait, self.data_wait_s = min(1.0, self.data_wait_s / seconds), 0.0
+        row = {"step": step, "tokens": step * self.tokens_per_step, "loss": loss_value, "val_loss": None,
+               "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm.item(), "tokens_per_s": tok_s,
+               "elapsed_s": now - start, "mem_gb": mem_gb, "data_wait": data_wait}
+        if evaluate:
+            row["val_loss"] = self._evaluate_and_log(step, bar)
+        record = self.health_record(is_last)
+        if record is not None:
+            self.log.health(step, record)
+            for warning in self.gate_watch.check(step, record):
+                self.log.event("warning", step, message=warning)
+                self._print(f"warning: step {step}: {warning}", bar)
+        self.log.step(row, {"tokens_per_s": tok_s, "mem_gb": mem_gb, "data_wait": data_wait})
+        if self.cfg.train.progress:
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tok_s:,.0f}")
+        else:
+            self._print(f"step {step}/{self.cfg.train.steps} loss {loss_value:.4f} tok/s {tok_s:,.0f}")
+        return row
 
     def run(self) -> TrainResult:
         cfg, t, info = self.cfg, self.cfg.train, self.info
@@ -247,61 +323,72 @@ class Trainer:
         )
         self._print(f"data: {self.data.description}; {self.tokens_per_step:,} tokens per step")
         self._print(f"run dir: {self.run_dir}" + (f" (resumed from {resumed})" if resumed else ""))
-        metrics = self._metrics()
+        self._open_log(resumed)
         bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True, file=sys.stdout,
                    disable=not (t.progress and info.is_main))
         result = TrainResult(self.run_dir, None, None, None, None, "")
-        start = last_time = time.perf_counter()
-        last_step = self.step
+        start = time.perf_counter()
+        window = (start, self.step)  # (time, step) of the previous logging step
+        first_step = self.step
         end = min(t.steps, self.step + t.stop_after) if t.stop_after else t.steps
+        halted = None
         try:
             while self.step < end:
                 loss, norm = self.train_step()
+                self.watchdog.progress(self.step)
                 bar.update(1)
                 step, is_last = self.step, self.step == end
+                save = bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0 and not is_last
+                self.stops.submit(step, self.bad_step)
+                # Before a checkpoint every pending request is settled, so a checkpoint never holds NaNs.
+                stop = self._check_stop(self.stops.decision(step, final=is_last or save))
                 do_eval = t.eval_every > 0 and (step % t.eval_every == 0 or is_last)
-                if not (step == 1 or step % t.log_every == 0 or do_eval or is_last):
-                    if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                        self.save()
-                    continue
-                # Host syncs happen only here, on logging steps, identically on every rank.
-                self._halt_if_non_finite()
-                loss_value = all_reduce_mean(loss, info).item()
-                now = time.perf_counter()
-                tok_s = (step - last_step) * self.tokens_per_step / max(now - last_time, 1e-9)
-                last_time, last_step = now, step
-                val_loss = self.evaluate() if do_eval else None
-                result.losses[step] = loss_value
-                result.first_loss = loss_value if result.first_loss is None else result.first_loss
-                result.last_loss, result.val_loss = loss_value, val_loss if val_loss is not None else result.val_loss
-                if metrics:
-                    metrics.write({"step": step, "tokens": step * self.tokens_per_step, "loss": loss_value,
-                                   "val_loss": val_loss, "lr": self.scheduler.get_last_lr()[0],
-                                   "grad_norm": norm.item(), "tokens_per_s": tok_s, "elapsed_s": now - start})
-                if t.progress:
-                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tok_s:,.0f}")
-                else:
-                    self._print(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tok_s:,.0f}")
-                if val_loss is not None:
-                    self._print(f"step {step}: val loss {val_loss:.4f}", bar)
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and not is_last:
-                    self.save()
+                if step == 1 or step % t.log_every == 0 or do_eval or is_last or stop:
+                    # Host syncs happen only here, on logging steps, identically on every rank.
+                    row = self._log_step(step, loss, norm, window, start, bar, evaluate=do_eval and not stop,
+                                         is_last=is_last or stop)
+                    window = (time.perf_counter(), step)
+                    result.losses[step] = result.last_loss = row["loss"]
+                    result.first_loss = row["loss"] if result.first_loss is None else result.first_loss
+                    result.val_loss = row["val_loss"] if row["val_loss"] is not None else result.val_loss
+                if stop:
+                    halted = self._halt_requested()
+                    break
+                if save:
+                    self.log.event("checkpoint", step, path=str(self.save()))
         except KeyboardInterrupt:
             bar.close()
             # One process can save safely; across processes a collective save could wait on a rank that
             # is already gone, so the last periodic checkpoint stands.
             if not info.distributed and self.step > 0:
                 path = self.save()
+                self.log.event("halt", self.step, reason="interrupted", path=str(path))
                 print(f"\ninterrupted at step {self.step}; checkpoint: {path}", file=sys.stderr)
             raise
         finally:
             bar.close()
             self.data.train.close()
-            if metrics:
-                metrics.close()
-        ran = last_step < self.step or resumed is None
-        result.checkpoint = self.save() if ran else resumed
-        if t.sample_tokens > 0:
+            self.watchdog.close()
+            if sys.exc_info()[0] is not None:
+                self.log.close()
+        try:
+            return self._finish(result, resumed, halted, first_step, start)
+        finally:
+            self.log.close()
+
+    def _evaluate_and_log(self, step: int, bar: tqdm) -> float | None:
+        val_loss = self.evaluate()
+        if val_loss is not None:
+            self.log.evaluation(step, val_loss)
+            self._print(f"step {step}: val loss {val_loss:.4f}", bar)
+        return val_loss
+
+    def _finish(self, result: TrainResult, resumed: Path | None, halted: Path | None, first_step: int,
+                start: float) -> TrainResult:
+        t, info = self.cfg.train, self.info
+        ran = first_step < self.step or resumed is None
+        result.checkpoint = halted or (self.save() if ran else resumed)
+        if halted is None and t.sample_tokens > 0:
             result.sample = generate_text(unwrap(self.model) if self.mode != "fsdp" else self.model, self.tokenizer,
                                           t.sample_prompt, t.sample_tokens, t.seq_len, info.device, t.seed)
             self._print(f"\n--- sample ---\n{result.sample}\n--------------")
@@ -309,6 +396,7 @@ class Trainer:
         if result.first_loss is not None:
             self._print(f"done: step {self.step} in {time.perf_counter() - start:.0f}s, loss {result.first_loss:.4f} "
                         f"-> {result.last_loss:.4f}{val_msg}")
+        self.log.event("done", self.step, path=str(result.checkpoint), halted=halted is not None)
         self._print(f"checkpoint: {result.checkpoint}\nmetrics: {self.run_dir / 'metrics.csv'}")
         return result
 

@@ -13,6 +13,12 @@ from .config import ParallelConfig
 from .distributed import DistInfo
 
 
+# Inductor's coalescing analysis (it only picks tile shapes) asserts on a reduction whose epilogue
+# broadcasts the reduced row over another axis, which the NSA block has (pytorch/pytorch#197077);
+# seen with torch 2.11 on an H200 when compiling a block without activation checkpointing.
+INDUCTOR_OPTIONS = {"triton.coalesce_tiling_analysis": False}
+
+
 def resolve_mode(cfg: ParallelConfig, info: DistInfo) -> str:
     if cfg.mode == "auto":
         return "ddp" if info.distributed else "single"
@@ -31,7 +37,7 @@ def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mod
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         if cfg.compile:
-            block.compile()
+            block.compile(options=INDUCTOR_OPTIONS)
         layers[i] = block
     if mode == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

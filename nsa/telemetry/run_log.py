@@ -1,0 +1,100 @@
+"""Everything a run writes about itself, in one place.
+
+Rank 0: metrics.csv, nsa_stats.jsonl, env.json and TensorBoard scalars (tb/). Every rank:
+heartbeat_rank{r}.jsonl. On resume, rows logged after the checkpoint's step are dropped, so the
+files continue exactly where the checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from .environment import run_environment
+from .heartbeat import Heartbeat
+from .metrics import MetricsCSV
+
+METRIC_FIELDS = ["step", "tokens", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "mem_gb",
+                 "data_wait"]
+"""metrics.csv columns: mem_gb is the peak GPU memory allocated since the previous row; data_wait is the share
+of the time since the previous row that the training thread spent waiting for batches."""
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, rank: int, is_main: bool, config: dict, world_size: int, resumed_step: int,
+                 tensorboard: bool):
+        self.run_dir, self.is_main = run_dir, is_main
+        self.heartbeat = Heartbeat(run_dir / f"heartbeat_rank{rank}.jsonl", rank)
+        self.metrics = self.stats = self.tb = None
+        if not is_main:
+            return
+        with open(run_dir / "env.json", "w", encoding="utf-8") as f:
+            json.dump(run_environment(config, world_size), f, indent=1, default=str)
+        self.metrics = _continue_csv(run_dir / "metrics.csv", resumed_step)
+        self.stats = _continue_jsonl(run_dir / "nsa_stats.jsonl", resumed_step)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # its own thread writes the event file
+
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resumed_step + 1 if resumed_step else None)
+
+    def event(self, name: str, step: int, **fields) -> None:
+        self.heartbeat.event(name, step, **fields)
+
+    def step(self, row: dict, local: dict) -> None:
+        """A logging step: the global row (rank 0 files) and this rank's own numbers (heartbeat)."""
+        self.heartbeat.event("step", row["step"], loss=row["loss"], **local)
+        if self.metrics:
+            self.metrics.write(row)
+        if self.tb:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mem_gb", "data_wait"):
+                if row.get(key) is not None:
+                    self.tb.add_scalar(f"train/{key}", row[key], row["step"])
+
+    def evaluation(self, step: int, val_loss: float) -> None:
+        self.heartbeat.event("eval", step, val_loss=val_loss)
+        if self.tb:
+            self.tb.add_scalar("val/loss", val_loss, step)
+
+    def health(self, step: int, record: dict) -> None:
+        if self.stats:
+            self.stats.write(json.dumps({"step": step, **record}) + "\n")
+            self.stats.flush()
+        if self.tb:
+            for layer in record["layers"]:
+                i = layer["layer"]
+                for branch, g in zip(("cmp", "sel", "win"), layer["gate_mean"]):
+                    self.tb.add_scalar(f"gates/layer{i}_{branch}", g, step)
+                self.tb.add_scalar(f"selection/layer{i}_distance", layer["sel_distance_mean"], step)
+
+    def close(self) -> None:
+        self.heartbeat.close()
+        for f in (self.metrics, self.stats, self.tb):
+            if f is not None:
+                f.close()
+
+
+def _continue_csv(path: Path, resumed_step: int) -> MetricsCSV:
+    kept = []
+    if resumed_step > 0 and path.exists():
+        with open(path, newline="", encoding="utf-8") as f:
+            kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= resumed_step]
+    metrics = MetricsCSV(path, METRIC_FIELDS)
+    for row in kept:
+        metrics.write(row)
+    return metrics
+
+
+def _continue_jsonl(path: Path, resumed_step: int):
+    kept = []
+    if resumed_step > 0 and path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] <= resumed_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    f = open(path, "w", encoding="utf-8")
+    f.writelines(line + "\n" for line in kept)
+    f.flush()
+    return f

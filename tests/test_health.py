@@ -1,0 +1,202 @@
+"""NSA health probe: its statistics against values computed directly from a plain forward, wrapper
+independence (checkpoint_wrapper, compiled blocks, DDP/FSDP2 on one gloo rank), and no side effects."""
+
+import copy
+import dataclasses
+import json
+import math
+import socket
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+import nsa.model.attention as attention_module
+from nsa.model import Transformer, tiny
+from nsa.ops import reference
+from nsa.telemetry.health import distance_edges, probe, selection_sums, summarize
+
+SEL_BLOCK, N_SEL, T = 32, 5, 200  # T not a multiple of SEL_BLOCK: the last span is partial
+
+
+def tiny_cfg(**changes):
+    cfg = tiny()
+    nsa = dataclasses.replace(cfg.nsa, sel_block=SEL_BLOCK, n_sel=N_SEL, backend="reference")
+    return dataclasses.replace(cfg, vocab_size=96, n_layers=3, nsa=nsa, **changes)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokens():
+    torch.manual_seed(0)
+    model = Transformer(tiny_cfg())
+    # Random (not freshly initialised) gates and compression MLPs, so the gates spread and selection varies.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "gate" in name or "compress" in name:
+                p.normal_(0, 0.3)
+    return model, torch.randint(0, 96, (2, T))
+
+
+def direct_stats(model, tokens):
+    """Per layer: gates, q and compressed keys as the plain forward passes them to nsa_attention."""
+    captured = []
+    real = attention_module.nsa_attention
+
+    def spy(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **kw):
+        captured.append((q, k_cmp, gates))
+        return real(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **kw)
+
+    attention_module.nsa_attention = spy
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        attention_module.nsa_attention = real
+    return captured
+
+
+def expected_layer(q, k_cmp, gates, nsa):
+    g = gates.double().reshape(-1, 3)
+    shares = g / g.sum(-1, keepdim=True)
+    idx = reference.select_blocks(q, k_cmp, block_len=nsa.block_len, block_stride=nsa.block_stride,
+                                  sel_block=nsa.sel_block, n_sel=nsa.n_sel)
+    distances, forced, free = [], 0, Counter()
+    for b, t, grp, slot in (idx >= 0).nonzero().tolist():
+        j = idx[b, t, grp, slot].item()
+        distances.append(t - j * nsa.sel_block)
+        if j in (0, t // nsa.sel_block, t // nsa.sel_block - 1):
+            forced += 1
+        else:
+            free[(b, grp, t // nsa.sel_block, j)] += 1
+    span_size = lambda s: min(nsa.sel_block, T - s * nsa.sel_block)  # noqa: E731
+    concentration = sum(c * c / span_size(key[2]) for key, c in free.items()) / sum(free.values())
+    return {
+        "gate_mean": g.mean(0).tolist(),
+        "gate_std": g.std(0, unbiased=False).tolist(),
+        "gate_entropy": float(-(shares * shares.log()).sum(-1).mean()),
+        "sel_distance_mean": float(np.mean(distances)),
+        "sel_forced_share": forced / len(distances),
+        "sel_concentration": concentration,
+        "hist": np.histogram(distances, bins=distance_edges(nsa.sel_block, T))[0].tolist(),
+    }
+
+
+def test_probe_matches_statistics_computed_directly(model_and_tokens):
+    model, tokens = model_and_tokens
+    sums = probe(model, tokens)
+    L, K = 3, len(distance_edges(SEL_BLOCK, T)) - 1
+    assert distance_edges(SEL_BLOCK, T) == [0, 32, 64, 128, 256]
+    for key, value in sums.items():
+        assert value.dtype in (torch.float64, torch.int64), key
+        assert value.shape[0] == L and not value.requires_grad, key
+    assert sums["gate_sum"].shape == (L, 3) and sums["distance_counts"].shape == (L, K)
+    record = summarize(sums, distance_edges(SEL_BLOCK, T))
+    json.dumps(record, allow_nan=False)
+    assert record["distance_edges"] == [0.0, 32.0, 64.0, 128.0, 256.0]
+    nsa = model.cfg.nsa
+    for i, (q, k_cmp, gates) in enumerate(direct_stats(model, tokens)):
+        want, got = expected_layer(q, k_cmp, gates, nsa), record["layers"][i]
+        assert got["layer"] == i
+        for key in ("gate_mean", "gate_std"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), (i, key)
+        for key in ("gate_entropy", "sel_distance_mean", "sel_forced_share", "sel_concentration"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9), (i, key)
+        assert record["distance_counts"][i] == want["hist"]
+        # Query t has min(n_sel, t // sel_block + 1) valid slots, per batch row and kv group.
+        slots = sum(min(N_SEL, t // SEL_BLOCK + 1) for t in range(T)) * 2 * model.cfg.n_kv_heads
+        assert sum(want["hist"]) == int(sums["sel_count"][i]) == slots
+        # Sanity of the sample: gates are spread, some selection is free and not all in one place.
+        assert min(got["gate_std"]) > 0.01 and 0 < got["gate_entropy"] < math.log(3)
+        assert 0.5 < got["sel_forced_share"] < 1 and 0 < got["sel_concentration"] < 1
+    assert int(sums["gate_count"][0]) == 2 * T * model.cfg.n_heads
+
+
+def test_selection_sums_on_hand_made_indices():
+    # sel_block=4, T=16: four spans of four queries. Forced blocks per span: {0}, {0,1}, {0,1,2}, {0,2,3};
+    # in the last span queries 12 and 13 also choose the free block 1.
+    idx = torch.full((1, 16, 1, 4), -1)
+    for t in range(16):
+        jt = t // 4
+        row = sorted({0, jt, max(jt - 1, 0)} | ({1} if t in (12, 13) else set()))
+        idx[0, t, 0, : len(row)] = torch.tensor(row)
+    s = selection_sums(idx, sel_block=4, seq_len=16)
+    assert int(s["sel_count"]) == 4 * 1 + 4 * 2 + 4 * 3 + 4 * 3 + 2
+    assert int(s["sel_forced_count"]) == 4 * 1 + 4 * 2 + 4 * 3 + 4 * 3
+    # Each of the two free slots sees 2 of its span's 4 queries choosing block 1: concentration 0.5.
+    assert float(s["sel_concentration_sum"]) / 2 == pytest.approx(0.5)
+    assert distance_edges(4, 16) == [0, 4, 8, 16]
+    dist = [t - j * 4 for t in range(16) for j in idx[0, t, 0].tolist() if j >= 0]
+    assert s["distance_counts"].tolist() == np.histogram(dist, bins=[0, 4, 8, 16])[0].tolist()
+    assert int(s["sel_distance_sum"]) == sum(dist)
+    # All four queries of the last span choosing block 1 is full concentration.
+    idx[0, 14:16, 0, 3] = 1
+    idx[0, 14:16, 0] = idx[0, 14:16, 0].sort(-1).values
+    s = selection_sums(idx, sel_block=4, seq_len=16)
+    assert float(s["sel_concentration_sum"]) / 4 == pytest.approx(1.0)
+
+
+def test_probe_ignores_checkpoint_and_compile_wrappers(model_and_tokens):
+    model, tokens = model_and_tokens
+    wrapped = copy.deepcopy(model)
+
+    def refuse(gm, example_inputs):
+        raise AssertionError("the probe must not run the compiled __call__")
+
+    for i, block in enumerate(wrapped.layers):
+        block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        block.compile(backend=refuse)
+        wrapped.layers[i] = block
+    got, want = probe(wrapped, tokens), probe(model, tokens)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_dense_model_gives_none():
+    assert probe(Transformer(tiny_cfg(attention="dense")), torch.randint(0, 96, (1, 40))) is None
+
+
+def test_probe_has_no_side_effects(model_and_tokens):
+    model, tokens = model_and_tokens
+    with torch.no_grad():
+        before = model(tokens)
+    model.train()
+    assert all(p.grad is None for p in model.parameters())
+    with torch.enable_grad():
+        sums = probe(model, tokens)
+    assert all(p.grad is None for p in model.parameters()) and model.training
+    assert not any(v.requires_grad for v in sums.values())
+    with torch.no_grad():
+        assert torch.equal(model(tokens), before)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_probe_under_ddp_and_fsdp2_on_one_rank(mode, model_and_tokens):
+    import torch.distributed as dist
+
+    from nsa.train.config import ParallelConfig
+    from nsa.train.distributed import DistInfo
+    from nsa.train.parallel import apply_parallelism
+
+    model, tokens = model_and_tokens
+    want = probe(model, tokens)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+        cfg = ParallelConfig(mode=mode, activation_checkpointing=True, compile=True)
+        wrapped = apply_parallelism(copy.deepcopy(model), cfg, info, mode, bf16=False)
+        got = probe(wrapped, tokens)
+        if mode == "fsdp":  # parameters are sharded again afterwards
+            assert all(type(p).__name__ == "DTensor" for p in wrapped.parameters())
+    finally:
+        dist.destroy_process_group()
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=1e-6, atol=0), key
