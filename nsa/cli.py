@@ -112,7 +112,7 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
 
     path, overrides = _split_config_args(ns.args or ["m7c"])
     training.run(path, overrides, seq_lens=ns.seq_lens, attentions=ns.attention.split(","),
-                 batch_tokens=ns.batch_tokens, steps=ns.steps, warmup=ns.warmup, out_dir=ns.out)
+                 batch_tokens=ns.batch_tokens, steps=ns.steps, warmup=ns.warmup, out_dir=ns.out, profile=ns.profile)
     return 0
 
 
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")
+    p.add_argument("--profile", action="store_true",
+                   help="also write one step's GPU kernels by time to OUT/profile_<attention>_<T>.txt")
     p.set_defaults(func=_cmd_bench_train)
     return parser
 

@@ -62,8 +62,20 @@ def _health_probe_ms(trainer: Trainer, reps: int = 5) -> float | None:
     return statistics.median(times) * 1e3
 
 
+def _profile_step(trainer: Trainer, path: Path, rows: int = 40) -> None:
+    """One training step under the PyTorch profiler: the GPU kernels by total time, as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.train_step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table)
+
+
 def measure(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int, steps: int,
-            warmup: int, info: DistInfo) -> dict:
+            warmup: int, info: DistInfo, profile_dir: str | None = None) -> dict:
     batch = max(1, batch_tokens // seq_len)
     torch._dynamo.reset()  # each shape compiles static, as in a real run, not as a dynamic-shape recompile
     # One folder name for every rank: the ranks check that they were given the same config.
@@ -86,6 +98,8 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
         loss.item()  # waits for the step to finish
         times.append(time.perf_counter() - start)
     health_ms = _health_probe_ms(trainer)
+    if profile_dir and info.is_main:
+        _profile_step(trainer, Path(profile_dir) / f"profile_{attention}_{seq_len}.txt")
     trainer.data.train.close()
     step_s = all_reduce_mean(torch.tensor(statistics.median(times), device=info.device), info).item()
     peak_gb = torch.cuda.max_memory_allocated() / 2**30
@@ -102,12 +116,12 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
 
 
 def run(config: str | None, overrides: list[str], seq_lens: list[int], attentions: list[str], batch_tokens: int,
-        steps: int, warmup: int, out_dir: str) -> list[dict]:
+        steps: int, warmup: int, out_dir: str, profile: bool = False) -> list[dict]:
     if not torch.cuda.is_available():
         raise UserError("nsa bench train needs a CUDA GPU")
     info = init_distributed("auto", 600.0, allow_single_process=True)
     try:
-        rows = [measure(config, overrides, a, T, batch_tokens, steps, warmup, info)
+        rows = [measure(config, overrides, a, T, batch_tokens, steps, warmup, info, out_dir if profile else None)
                 for T in seq_lens for a in attentions]
         for row in rows:
             dense = next((r for r in rows if r["attention"] == "dense" and r["seq_len"] == row["seq_len"]), None)

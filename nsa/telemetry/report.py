@@ -587,7 +587,7 @@ def _env_line(env: dict[str, Any]) -> str:
     if isinstance(versions, dict) and versions.get("torch"):
         parts.append(f"torch {versions['torch']}")
     if isinstance(env.get("git"), str) and env["git"]:
-        parts.append(f"git {env['git'][:12]}")
+        parts.append(f"git {env['git']}")
     return ", ".join(parts)
 
 
