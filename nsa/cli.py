@@ -24,6 +24,12 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
     return _find_config(path), overrides
 
 
+def _bench_config(args: list[str]) -> tuple[str | None, list[str]]:
+    """Benchmarks measure M7C unless a config file is named (overrides alone still apply to M7C)."""
+    path, overrides = _split_config_args(args)
+    return path or _find_config("m7c"), overrides
+
+
 def _find_config(name: str | None) -> str | None:
     """Accept a path, or a bare preset name looked up in ./configs and the source tree's configs/."""
     if name is None or Path(name).exists() or name.endswith((".yaml", ".yml")):
@@ -61,6 +67,14 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     from .train.checkpoint import export_safetensors
 
     print(f"wrote {export_safetensors(ns.checkpoint, ns.out)}")
+    return 0
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from .inference.generate import generate_text, load_for_inference
+
+    generate_text(load_for_inference(ns.checkpoint, ns.device), ns.prompt, ns.max_new_tokens,
+                  temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, max_context=ns.max_context)
     return 0
 
 
@@ -107,10 +121,19 @@ def _cmd_bench_attention(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_decode(ns: argparse.Namespace) -> int:
+    from .bench import decode
+
+    path, overrides = _bench_config(ns.args)
+    decode.run(path, overrides, contexts=ns.contexts, batches=ns.batches, attentions=ns.attention.split(","),
+               steps=ns.steps, out_dir=ns.out, device=ns.device)
+    return 0
+
+
 def _cmd_bench_train(ns: argparse.Namespace) -> int:
     from .bench import training
 
-    path, overrides = _split_config_args(ns.args or ["m7c"])
+    path, overrides = _bench_config(ns.args)
     training.run(path, overrides, seq_lens=ns.seq_lens, attentions=ns.attention.split(","),
                  batch_tokens=ns.batch_tokens, steps=ns.steps, warmup=ns.warmup, out_dir=ns.out, profile=ns.profile)
     return 0
@@ -145,6 +168,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
     p.add_argument("out", help="output .safetensors path")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a checkpoint (cached decoding, streamed to stdout)",
+        description="Loads CHECKPOINT's model and tokenizer, prints the prompt and streams the continuation "
+        "until end-of-text or --max-new-tokens. Greedy with --temperature 0.",
+    )
+    p.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
+    p.add_argument("--prompt", default="", help="text to continue (empty: start from end-of-text)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate at most (default: 200, or as many as fit the context)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: keep the likeliest tokens up to "
+                   "this probability mass (1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the k likeliest tokens (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run (auto: cuda if present)")
+    p.add_argument("--max-context", type=int, default=0, help="tokens the prompt plus the continuation may fill "
+                   "(0: the checkpoint's train.seq_len)")
+    p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser(
         "report",
@@ -196,6 +239,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="also write one step's GPU kernels by time to OUT/profile_<attention>_<T>.txt")
     p.set_defaults(func=_cmd_bench_train)
+
+    p = bench.add_parser(
+        "decode", help="GPU: per-token decode latency with KV caches, NSA vs dense (CUDA graphs)",
+        description="Prefill a random prompt of each context length, then time one cached decode step (and one "
+                    "layer's decode attention alone) for the NSA model and the dense model of the same shape.",
+    )
+    p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP + " (default: m7c)")
+    p.add_argument("--contexts", type=_int_list, default="4096,8192,16384,32768,65536",
+                   help="comma-separated context lengths")
+    p.add_argument("--batches", type=_int_list, default="1,16", help="comma-separated batch sizes")
+    p.add_argument("--attention", default="nsa,dense", help="comma-separated: nsa, dense")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps (median reported)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (no CUDA graphs; for a functional check)")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")
+    p.set_defaults(func=_cmd_bench_decode)
     return parser
 
 

@@ -1,0 +1,121 @@
+"""`nsa bench decode`: per-token decode latency with the KV caches, NSA against dense, in one run.
+
+Each row builds the model (random weights, bf16 on the GPU), prefills a random prompt of the
+given context length, then times one decode step captured in a CUDA graph (so both models pay
+kernel time, not Python dispatch). Also timed: one layer's decode attention alone (NSA's
+compressed + selected + window branches against SDPA over the dense cache), where NSA's smaller
+reads show directly; the whole-model step also reads every weight once (~250 MB for M7C).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable
+
+import torch
+
+from ..config import load_config
+from ..errors import UserError
+from ..inference.attention import decode_attention, dense_decode_attention
+from ..inference.cache import new_cache
+from ..inference.decode import decode_step, prefill
+from ..model import Transformer
+from .common import environment, format_table, write_results
+
+
+def _graphed(fn: Callable[[], object], use_graph: bool) -> Callable[[], object]:
+    """fn captured in a CUDA graph (warmed up on a side stream first), or fn itself."""
+    if not use_graph:
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _median_ms(fn: Callable[[], object], reps: int, cuda: bool) -> float:
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _layer_attention_ms(model: Transformer, cache, batch: int, reps: int, cuda: bool) -> float:
+    """One layer's decode attention for a query at the last prompt position."""
+    attn, layer = model.layers[0].attn, cache.layers[0]
+    device = next(model.parameters()).device
+    q = torch.randn(batch, attn.n_heads, attn.head_dim, device=device, dtype=layer.k.dtype)
+    positions = cache.lengths - 1
+    if hasattr(attn, "gate"):
+        nsa = model.cfg.nsa
+        gates = torch.rand(batch, attn.n_heads, 3, device=device, dtype=q.dtype)
+        fn = lambda: decode_attention(q, gates, layer, positions, sel_block=nsa.sel_block,  # noqa: E731
+                                      n_sel=nsa.n_sel, window=nsa.window)
+    else:
+        fn = lambda: dense_decode_attention(q, layer, positions)  # noqa: E731
+    return _median_ms(_graphed(fn, cuda), reps, cuda)
+
+
+@torch.no_grad()
+def measure(cfg, attention: str, context: int, batch: int, steps: int, device: torch.device) -> dict:
+    model_cfg = dataclasses.replace(cfg.model, attention=attention)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = Transformer(model_cfg).to(device=device, dtype=dtype).eval()
+    cache = new_cache(model, batch, context + steps + 4)
+    prompt = torch.randint(0, model_cfg.vocab_size, (batch, context), device=device)
+    prefill(model, prompt, cache)
+    token = torch.zeros(batch, dtype=torch.long, device=device)
+    cuda = device.type == "cuda"
+    step_ms = _median_ms(_graphed(lambda: decode_step(model, token, cache), cuda), steps, cuda)
+    reads = cache.layers[0].reads.float().mean().item() if hasattr(cache.layers[0], "reads") else None
+    attn_ms = _layer_attention_ms(model, cache, batch, steps, cuda)
+    row = {"attention": attention, "context": context, "batch": batch, "step_ms": step_ms,
+           "tokens_per_s": batch / step_ms * 1e3, "layer_attention_ms": attn_ms, "reads_per_group": reads}
+    del model, cache
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def run(config: str | None, overrides: list[str], contexts: list[int], batches: list[int], attentions: list[str],
+        steps: int, out_dir: str, device: str = "cuda") -> list[dict]:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("nsa bench decode needs a CUDA GPU (or --device cpu for a slow functional run)")
+    cfg = load_config(config, overrides)
+    if cfg.model.vocab_size < 1:
+        raise UserError("set model.vocab_size (e.g. 50304) for the benchmark's random-weight model")
+    rows = [measure(cfg, a, T, b, steps, dev) for b in batches for T in contexts for a in attentions]
+    for row in rows:
+        dense = next((r for r in rows if r["attention"] == "dense" and r["context"] == row["context"]
+                      and r["batch"] == row["batch"]), None)
+        row["speedup"] = dense["step_ms"] / row["step_ms"] if dense else None
+        row["attention_speedup"] = dense["layer_attention_ms"] / row["layer_attention_ms"] if dense else None
+    meta = environment() | {"config": config or "defaults", "overrides": overrides, "steps": steps,
+                            "dtype": "bf16" if dev.type == "cuda" else "fp32", "cuda_graphs": dev.type == "cuda"}
+    print(f"{meta['device']}  torch {meta['torch']}")
+    print(format_table(rows, ["attention", "context", "batch", "step_ms", "tokens_per_s", "speedup",
+                              "layer_attention_ms", "attention_speedup", "reads_per_group"]))
+    paths = write_results(rows, out_dir, "decode", meta)
+    print("wrote " + ", ".join(map(str, paths)))
+    return rows

@@ -1,0 +1,20 @@
+"""Inference: decode caches, prefill and one-token decode steps, sampling and text generation."""
+
+from .attention import decode_attention, dense_decode_attention
+from .cache import DecodeCache, DenseLayerCache, NSALayerCache, new_cache
+from .decode import decode_step, prefill
+from .generate import generate, generate_text, load_for_inference
+
+__all__ = [
+    "DecodeCache",
+    "DenseLayerCache",
+    "NSALayerCache",
+    "decode_attention",
+    "decode_step",
+    "dense_decode_attention",
+    "generate",
+    "generate_text",
+    "load_for_inference",
+    "new_cache",
+    "prefill",
+]

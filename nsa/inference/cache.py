@@ -1,0 +1,176 @@
+"""Decode caches: per-layer state preallocated for a maximum length, so every shape is static.
+
+An NSA layer keeps each branch's own state (DESIGN.md section 1, Decode):
+- `k`, `v` [S,B,L,G,D]: the raw RoPE'd keys and the values of each of the layer's S key/value
+  sets (S = NSAAttention.n_kv_sets: 3 = one per branch in (cmp, sel, win) order, 1 = shared_kv).
+  Branch c reads set c % S, exactly as NSAAttention.project assigns them. The selection may pick
+  any earlier block, so the raw stream is kept whole; the window and the compressor read
+  contiguous slices of it (no ring buffer: a slice stays a slice for a kernel, and prompts of
+  different lengths need no special care).
+- `k_cmp`, `v_cmp` [B,Nc_max,G,D]: the compressed stream, `n_cmp` [B] tokens of it emitted.
+- `sel_index`, `sel_weight` [Nc_max,K]: the Eq. 9 overlaps as a band (compressed token i touches
+  at most K selection blocks), so selection scores cost O(Nc) per query instead of O(Nc*Ns).
+- `selected` [B,G,n] and `reads` [B,G]: what the last decode step chose and read (telemetry, tests).
+
+A dense layer keeps one plain `k`, `v` [B,L,G,D]. Positions beyond a sequence's length may hold
+stale values (e.g. right-padding from a ragged prefill); every reader masks by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..model.attention import BRANCHES, NSAAttention
+from ..model.compression import BlockCompressor
+from ..ops.geometry import num_compressed_blocks, num_selection_blocks
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return torch.arange(t.shape[0], device=t.device)
+
+
+@dataclass
+class NSALayerCache:
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cmp: torch.Tensor
+    v_cmp: torch.Tensor
+    n_cmp: torch.Tensor
+    sel_index: torch.Tensor
+    sel_weight: torch.Tensor
+    selected: torch.Tensor
+    reads: torch.Tensor
+    block_len: int
+    block_stride: int
+
+    def keys(self, branch: str) -> torch.Tensor:
+        """Raw keys [B,L,G,Dk] the branch reads."""
+        return self.k[BRANCHES.index(branch) % self.k.shape[0]]
+
+    def values(self, branch: str) -> torch.Tensor:
+        return self.v[BRANCHES.index(branch) % self.v.shape[0]]
+
+    def fill(self, p: dict[str, torch.Tensor], k_cmp: torch.Tensor, v_cmp: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Store a prefill: project()'s keys/values [B,T,...] and the full compressor outputs."""
+        t, nc = p["q"].shape[1], k_cmp.shape[1]
+        for s in range(self.k.shape[0]):
+            self.k[s, :, :t] = p[f"k_{BRANCHES[s]}"]
+            self.v[s, :, :t] = p[f"v_{BRANCHES[s]}"]
+        self.k_cmp[:, :nc] = k_cmp
+        self.v_cmp[:, :nc] = v_cmp
+        # A shorter (right-padded) prompt has emitted fewer blocks; the ones past its length are stale.
+        emitted = torch.div(lengths - self.block_len, self.block_stride, rounding_mode="floor") + 1
+        self.n_cmp.copy_(emitted.clamp_min(0))
+
+    def write(self, p: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
+        """Store one token per sequence (project()'s outputs [B,1,...]) at positions [B]."""
+        rows = _rows(positions)
+        for s in range(self.k.shape[0]):
+            self.k[s, rows, positions] = p[f"k_{BRANCHES[s]}"][:, 0]
+            self.v[s, rows, positions] = p[f"v_{BRANCHES[s]}"][:, 0]
+
+    def emit(self, compress_k: BlockCompressor, compress_v: BlockCompressor, positions: torch.Tensor) -> None:
+        """Append the compressed token of the block ending at t where one is due: t+1 >= l, (t+1-l) % d == 0.
+
+        phi runs on every sequence every step and the result is kept only where due: no branch
+        on device values, so the step can be captured in a CUDA graph.
+        """
+        if self.k_cmp.shape[1] == 0:
+            return
+        start = (positions + 1 - self.block_len).clamp_min(0)
+        due = (positions + 1 >= self.block_len) & ((positions + 1 - self.block_len) % self.block_stride == 0)
+        idx = start[:, None] + torch.arange(self.block_len, device=positions.device)  # [B,l]
+        rows = _rows(positions)
+        slot = self.n_cmp.clamp_max(self.k_cmp.shape[1] - 1)
+        for raw, phi, out in ((self.keys("cmp"), compress_k, self.k_cmp), (self.values("cmp"), compress_v, self.v_cmp)):
+            new = phi(raw[rows[:, None], idx])[:, 0]  # the same phi, on the same l RoPE'd tokens, as training
+            out[rows, slot] = torch.where(due[:, None, None], new, out[rows, slot])
+        self.n_cmp += due.long()
+
+
+@dataclass
+class DenseLayerCache:
+    k: torch.Tensor
+    v: torch.Tensor
+    reads: torch.Tensor
+
+    def fill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[:, : k.shape[1]] = k
+        self.v[:, : v.shape[1]] = v
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        rows = _rows(positions)
+        self.k[rows, positions] = k[:, 0]
+        self.v[rows, positions] = v[:, 0]
+
+
+@dataclass
+class DecodeCache:
+    """Every layer's cache plus `lengths` [B]: tokens held per sequence, i.e. the next token's position."""
+
+    layers: list[NSALayerCache | DenseLayerCache]
+    lengths: torch.Tensor
+    max_len: int
+    longest: int = 0
+    """max(lengths), tracked on the host so that overflow checks need no device sync."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+
+def selection_band(num_cmp: int, num_sel: int, block_len: int, block_stride: int, sel_block: int,
+                   dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, weight) [Nc,K]: compressed token i overlaps selection block index[i,k] by weight[i,k]
+    (= |[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d, geometry.overlap_matrix's entries); unused slots
+    point at the sentinel column num_sel with weight 0."""
+    span = -(-block_len // sel_block) + 1  # an interval of l tokens touches at most this many blocks
+    start = torch.arange(num_cmp, device=device)[:, None] * block_stride
+    j = start // sel_block + torch.arange(span, device=device)
+    lo = torch.maximum(start, j * sel_block)
+    hi = torch.minimum(start + block_len, (j + 1) * sel_block)
+    weight = (hi - lo).clamp_min(0).to(dtype) / block_stride
+    index = torch.where((weight > 0) & (j < num_sel), j, num_sel)
+    return index, torch.where(index < num_sel, weight, torch.zeros_like(weight))
+
+
+def _nsa_layer_cache(attn: NSAAttention, batch: int, max_len: int, dtype: torch.dtype, device) -> NSALayerCache:
+    nsa = attn.cfg.nsa
+    g, d = attn.n_kv_heads, attn.head_dim
+    num_cmp = num_compressed_blocks(max_len, nsa.block_len, nsa.block_stride)
+    num_sel = num_selection_blocks(max_len, nsa.sel_block)
+    index, weight = selection_band(num_cmp, num_sel, nsa.block_len, nsa.block_stride, nsa.sel_block,
+                                   torch.promote_types(dtype, torch.float32), device)
+    zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+    return NSALayerCache(
+        k=zeros(attn.n_kv_sets, batch, max_len, g, d), v=zeros(attn.n_kv_sets, batch, max_len, g, d),
+        k_cmp=zeros(batch, num_cmp, g, d), v_cmp=zeros(batch, num_cmp, g, d),
+        n_cmp=torch.zeros(batch, dtype=torch.long, device=device), sel_index=index, sel_weight=weight,
+        selected=torch.full((batch, g, nsa.n_sel), -1, dtype=torch.long, device=device),
+        reads=torch.zeros(batch, g, dtype=torch.long, device=device),
+        block_len=nsa.block_len, block_stride=nsa.block_stride,
+    )
+
+
+def new_cache(model: nn.Module, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> DecodeCache:
+    """Zeroed caches for `batch_size` sequences of up to `max_len` tokens, in the model's dtype and device."""
+    if max_len < 1 or batch_size < 1:
+        raise ValueError(f"max_len and batch_size must be >= 1, got {max_len} and {batch_size}")
+    param = next(model.parameters())
+    dtype, device = dtype or param.dtype, device or param.device
+    layers = []
+    for block in model.layers:
+        attn = block.attn
+        if isinstance(attn, NSAAttention):
+            layers.append(_nsa_layer_cache(attn, batch_size, max_len, dtype, device))
+        else:
+            shape = (batch_size, max_len, attn.n_kv_heads, attn.head_dim)
+            layers.append(DenseLayerCache(
+                k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device),
+                reads=torch.zeros(batch_size, attn.n_kv_heads, dtype=torch.long, device=device),
+            ))
+    return DecodeCache(layers, torch.zeros(batch_size, dtype=torch.long, device=device), max_len)

@@ -1,0 +1,120 @@
+"""Cached decoding: `prefill` runs the prompt and fills the caches, `decode_step` adds one token.
+
+Both walk the Transformer's own modules (embedding, blocks' attn_norm / attn / mlp_norm / mlp,
+final norm, lm_head) and repeat the attention layers' forward math around the cache, so a
+decoded token's logits equal the full forward's at its position (tests/test_decode.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model.attention import NSAAttention
+from ..model.rope import apply_rope
+from ..ops import nsa_attention
+from .attention import decode_attention, dense_decode_attention
+from .cache import DecodeCache, DenseLayerCache, NSALayerCache
+
+
+def _hyper(attn: NSAAttention) -> dict:
+    n = attn.cfg.nsa
+    return dict(block_len=n.block_len, block_stride=n.block_stride, sel_block=n.sel_block, n_sel=n.n_sel,
+                window=n.window)
+
+
+def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, lengths) -> torch.Tensor:
+    # NSAAttention.forward, keeping the projections and the compressed stream.
+    b, t, _ = x.shape
+    p = attn.project(x, cos, sin)
+    k_cmp, v_cmp = attn.compress_k(p["k_cmp"]), attn.compress_v(p["v_cmp"])
+    cache.fill(p, k_cmp, v_cmp, lengths)
+    o = nsa_attention(p["q"], k_cmp, v_cmp, p["k_sel"], p["v_sel"], p["k_win"], p["v_win"],
+                      p["gates"].to(p["q"].dtype), **_hyper(attn), backend=attn.cfg.nsa.backend)
+    return attn.wo(o.reshape(b, t, -1))
+
+
+def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions) -> torch.Tensor:
+    p = attn.project(x, cos, sin)
+    cache.write(p, positions)
+    cache.emit(attn.compress_k, attn.compress_v, positions)  # before attending: a block ending at t is visible to t
+    hyper = _hyper(attn)
+    o, reads = decode_attention(p["q"][:, 0], p["gates"][:, 0].to(p["q"].dtype), cache, positions,
+                                sel_block=hyper["sel_block"], n_sel=hyper["n_sel"], window=hyper["window"])
+    cache.reads.copy_(reads)
+    return attn.wo(o.flatten(1))[:, None]
+
+
+def _dense_qkv(attn: nn.Module, x, cos, sin):
+    # DenseAttention.forward's projections.
+    b, t, _ = x.shape
+    q = apply_rope(attn.wq(x).view(b, t, attn.n_heads, attn.head_dim), cos, sin)
+    k, v = attn.wkv(x).view(b, t, 2, attn.n_kv_heads, attn.head_dim).unbind(2)
+    return q, apply_rope(k, cos, sin), v
+
+
+def _dense_prefill(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, lengths) -> torch.Tensor:
+    b, t, _ = x.shape
+    q, k, v = _dense_qkv(attn, x, cos, sin)
+    cache.fill(k, v)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    )
+    return attn.wo(o.transpose(1, 2).reshape(b, t, -1))
+
+
+def _dense_step(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, positions) -> torch.Tensor:
+    q, k, v = _dense_qkv(attn, x, cos, sin)
+    cache.write(k, v, positions)
+    o, reads = dense_decode_attention(q[:, 0], cache, positions)
+    cache.reads.copy_(reads)
+    return attn.wo(o.flatten(1))[:, None]
+
+
+def _run_blocks(model: nn.Module, x, cos, sin, cache: DecodeCache, where, step: bool) -> torch.Tensor:
+    for block, layer_cache in zip(model.layers, cache.layers):
+        nsa = isinstance(block.attn, NSAAttention)
+        fn = (_nsa_step if nsa else _dense_step) if step else (_nsa_prefill if nsa else _dense_prefill)
+        x = x + fn(block.attn, block.attn_norm(x), cos, sin, layer_cache, where)
+        x = x + block.mlp(block.mlp_norm(x))
+    return x
+
+
+@torch.no_grad()
+def prefill(model: nn.Module, tokens: torch.Tensor, cache: DecodeCache,
+            lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Run prompts tokens [B,T] through the model, fill the cache, return each prompt's last logits [B,V].
+
+    Prompts of different lengths are right-padded into `tokens` with their lengths [B] given:
+    causality keeps the padding out of every real position, and decoding overwrites it.
+    """
+    b, t = tokens.shape
+    if b != cache.batch_size or t > cache.max_len or t < 1:
+        raise ValueError(f"prompts [B={b}, T={t}] do not fit a cache of batch {cache.batch_size}, "
+                         f"max_len {cache.max_len} (T must be 1..max_len)")
+    lengths = torch.full((b,), t, device=tokens.device) if lengths is None else lengths.to(tokens.device).long()
+    if lengths.min() < 1 or lengths.max() > t:
+        raise ValueError(f"prompt lengths must lie in 1..{t}, got {lengths.tolist()}")
+    cos, sin = model.rope(torch.arange(t, device=tokens.device))
+    x = _run_blocks(model, model.tok_emb(tokens), cos, sin, cache, lengths, step=False)
+    cache.lengths.copy_(lengths)
+    cache.longest = int(lengths.max())
+    last = x[torch.arange(b, device=x.device), lengths - 1]
+    return model.lm_head(model.norm(last))
+
+
+@torch.no_grad()
+def decode_step(model: nn.Module, token: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+    """Append token [B] (one per sequence) at each sequence's next position; return its logits [B,V].
+
+    Captured in a CUDA graph, a replay advances the cache on the device only: the host-side
+    overflow check below does not run, so keep replays within the cache's max_len.
+    """
+    if cache.longest >= cache.max_len:
+        raise ValueError(f"the decode cache is full ({cache.max_len} tokens); allocate a larger max_len")
+    positions = cache.lengths
+    cos, sin = model.rope(positions[:, None])  # [B,1,1,D/2]: each sequence at its own position
+    x = _run_blocks(model, model.tok_emb(token.view(-1, 1)), cos, sin, cache, positions, step=True)
+    cache.lengths += 1
+    cache.longest += 1
+    return model.lm_head(model.norm(x[:, 0]))

@@ -1,0 +1,188 @@
+"""Generation with the decode cache: token ids (`generate`), text streamed from a trained checkpoint
+(`generate_text`), and rebuilding model + tokenizer from a checkpoint (`load_for_inference`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import UserError
+from .cache import new_cache
+from .decode import decode_step, prefill
+from .sampler import check_sampling, next_token
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object
+    config: dict
+    """The run's resolved configuration, as saved with the checkpoint."""
+    path: Path
+
+    @property
+    def context(self) -> int:
+        """The sequence length the model was trained at."""
+        return int(self.config["train"]["seq_len"])
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name} but no CUDA device is visible; use --device cpu (or auto)")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name} is unknown; choose auto, cpu or cuda") from None
+
+
+def load_for_inference(checkpoint_path: str | Path, device: str | torch.device = "auto") -> LoadedModel:
+    """The model (eval mode, on `device`) and tokenizer of a checkpoint folder or a run folder's latest checkpoint."""
+    from ..data.tokenizers import get_tokenizer
+    from ..model import Transformer
+    from ..model.config import ModelConfig
+    from ..train import checkpoint
+    from ..typed_config import from_dict
+
+    device = resolve_device(device) if isinstance(device, str) else device
+    path = checkpoint.resolve(checkpoint_path)
+    config = checkpoint.read_meta(path)["config"]
+    model = Transformer(from_dict(ModelConfig, config["model"]))
+    checkpoint.load_model_weights(path, model)
+    tokenizer = get_tokenizer(config["data"]["tokenizer"], config["data"].get("tokenizer_path", ""))
+    return LoadedModel(model.to(device).eval(), tokenizer, config, path)
+
+
+def _pad_prompts(prompt_ids, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded tokens [B,T] and lengths [B] from one prompt or a batch of prompts (ids or a tensor)."""
+    if hasattr(prompt_ids, "tolist"):  # a tensor or numpy array
+        prompt_ids = prompt_ids.tolist()
+    prompts = [list(prompt_ids)] if not prompt_ids or not isinstance(prompt_ids[0], Sequence) else prompt_ids
+    lengths = [len(p) for p in prompts]
+    if min(lengths) < 1:
+        raise UserError("every prompt needs at least one token (e.g. the end-of-text id)")
+    tokens = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        tokens[row, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+    return tokens.to(device), torch.as_tensor(lengths, device=device)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    on_token: Callable[[torch.Tensor], None] | None = None,
+    stop_id: int | None = None,
+) -> list[list[int]]:
+    """The new tokens of each prompt (one prompt, or a batch of any lengths), greedy when temperature == 0.
+
+    on_token receives each step's tokens [B] as soon as they are chosen. A sequence that produces
+    stop_id ends there (stop_id is kept); generation ends when every sequence has.
+    """
+    check_sampling(temperature, top_p, top_k)
+    device = next(model.parameters()).device
+    tokens, lengths = _pad_prompts(prompt_ids, device)
+    generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    was_training = model.training
+    model.eval()
+    try:
+        cache = new_cache(model, tokens.shape[0], tokens.shape[1] + max(max_new_tokens - 1, 0))
+        logits = prefill(model, tokens, cache, lengths)
+        out: list[list[int]] = [[] for _ in range(tokens.shape[0])]
+        done = [False] * tokens.shape[0]
+        for step in range(max_new_tokens):
+            token = next_token(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+            if on_token is not None:
+                on_token(token)
+            for row, tok in enumerate(token.tolist()):
+                if not done[row]:
+                    out[row].append(tok)
+                    done[row] = tok == stop_id
+            if all(done) or step + 1 == max_new_tokens:
+                break
+            logits = decode_step(model, token, cache)
+    finally:
+        model.train(was_training)
+    return out
+
+
+DEFAULT_NEW_TOKENS = 200
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int | None, context: int) -> int:
+    """Tokens to generate: max_new_tokens, or (None) up to DEFAULT_NEW_TOKENS as the context allows.
+
+    The prompt and what is generated must fit the context the model is run at.
+    """
+    if max_new_tokens is None:
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, max(context - prompt_len, 1))
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if prompt_len > context:
+        raise UserError(f"the prompt is {prompt_len} tokens but the context is {context} (the checkpoint's "
+                        f"train.seq_len unless --max-context is given); shorten the prompt or raise --max-context")
+    if prompt_len + max_new_tokens > context:
+        raise UserError(f"the prompt ({prompt_len} tokens) plus --max-new-tokens {max_new_tokens} exceed the "
+                        f"context of {context} tokens; use --max-new-tokens {context - prompt_len} or less, "
+                        f"or raise --max-context")
+    return max_new_tokens
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()  # stream: show each piece as soon as it is decoded
+
+
+def generate_text(
+    loaded: LoadedModel,
+    prompt: str,
+    max_new_tokens: int | None = None,
+    *,
+    temperature: float = 0.8,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    max_context: int = 0,
+    write: Callable[[str], None] | None = None,
+) -> str:
+    """Write the prompt, then the continuation as it is produced (up to end-of-text); return the continuation.
+
+    max_new_tokens None: up to DEFAULT_NEW_TOKENS, as many as fit the context.
+    """
+    write = write or _write_stdout
+    tokenizer = loaded.tokenizer
+    ids = [int(i) for i in tokenizer.encode(prompt)] or [tokenizer.eot_id]
+    max_new_tokens = check_lengths(len(ids), max_new_tokens, max_context or loaded.context)
+    check_sampling(temperature, top_p, top_k)  # before anything is written
+    new: list[int] = []
+    shown = ""
+
+    def stream(token: torch.Tensor) -> None:
+        nonlocal shown
+        if int(token[0]) == tokenizer.eot_id:
+            return
+        new.append(int(token[0]))
+        # A multi-byte character split across tokens decodes to U+FFFD until its last piece arrives.
+        text = tokenizer.decode(new).rstrip("\ufffd")
+        if text.startswith(shown) and len(text) > len(shown):
+            write(text[len(shown):])
+            shown = text
+
+    write(prompt)
+    generate(loaded.model, ids, max_new_tokens, temperature, top_p, top_k, seed, on_token=stream,
+             stop_id=tokenizer.eot_id)
+    text = tokenizer.decode(new)
+    write(text[len(shown):] + "\n" if text.startswith(shown) else "\n" + text + "\n")
+    return text

@@ -1,0 +1,296 @@
+"""Cached decoding (nsa.inference): decode equals the full forward, the compressed stream, reads,
+the selection, generation, and `nsa generate` from a trained checkpoint."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa.cli import main
+from nsa.config import load_config
+from nsa.errors import UserError
+from nsa.inference import decode_attention, decode_step, new_cache, prefill
+from nsa.inference.generate import generate, generate_text, load_for_inference
+from nsa.model import ModelConfig, NSAConfig, Transformer
+from nsa.model.sampling import sample
+from nsa.ops import reference
+from nsa.ops.geometry import num_compressed_blocks
+from nsa.train.loop import train
+
+# Small enough that every branch is sparse at T: 4 of 13 selection blocks, a 16-token window.
+HYPER = dict(block_len=8, block_stride=4, sel_block=8, n_sel=4, window=16)
+T = 101
+VOCAB = 61
+
+
+def tiny_model(attention="nsa", seed=0, **nsa_changes) -> Transformer:
+    cfg = ModelConfig(
+        attention=attention, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=64,
+        nsa=NSAConfig(**{**HYPER, **nsa_changes}, phi_hidden=16, gate_hidden=16, backend="reference"),
+    )
+    torch.manual_seed(seed)
+    model = Transformer(cfg).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Random everywhere, phi's zero-initialised last layer included, so every path carries signal.
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    return model
+
+
+def tokens_for(batch, length, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def decode_logits(model, tokens, prompt_len, record=None):
+    """Logits [B, T-prompt_len+1, V] at positions prompt_len-1 .. T-1: prefill, then one step per token."""
+    cache = new_cache(model, tokens.shape[0], tokens.shape[1])
+    out = [prefill(model, tokens[:, :prompt_len], cache)]
+    for t in range(prompt_len, tokens.shape[1]):
+        out.append(decode_step(model, tokens[:, t], cache))
+        if record is not None:
+            record(t, cache)
+    return torch.stack(out, 1), cache
+
+
+@torch.no_grad()
+def full_forward_layers(model, tokens):
+    """Full-forward logits and, per layer, its queries and compressed keys/values."""
+    inputs = []
+    hooks = [b.attn.register_forward_pre_hook(lambda m, args: inputs.append(args)) for b in model.layers]
+    try:
+        logits = model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = []
+    for block, (x, cos, sin) in zip(model.layers, inputs):
+        p = block.attn.project(x, cos, sin)
+        layers.append({"q": p["q"], "k_cmp": block.attn.compress_k(p["k_cmp"]),
+                       "v_cmp": block.attn.compress_v(p["v_cmp"])})
+    return logits, layers
+
+
+@pytest.mark.parametrize(
+    "attention,prompt_len,changes",
+    [
+        ("nsa", 1, {}),
+        ("nsa", 13, {}),
+        ("nsa", 37, {"shared_kv": True}),
+        ("nsa", 13, {"phi": "mean"}),
+        ("dense", 1, {}),
+        ("dense", 29, {}),
+    ],
+)
+def test_prefill_then_decode_equals_the_full_forward_at_every_position(attention, prompt_len, changes):
+    model = tiny_model(attention, **changes)
+    tokens = tokens_for(2, T)
+    got, _ = decode_logits(model, tokens, prompt_len)
+    with torch.no_grad():
+        want = model(tokens)[:, prompt_len - 1:]
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_prompts_of_different_lengths_decode_like_each_alone(attention):
+    model = tiny_model(attention, seed=3)
+    seqs = tokens_for(3, 80, seed=2)
+    lengths = torch.tensor([1, 37, 50])
+    prompts = tokens_for(3, 50, seed=9)  # the padding past each length is junk that must not leak
+    for b, n in enumerate(lengths.tolist()):
+        prompts[b, :n] = seqs[b, :n]
+    cache = new_cache(model, 3, 80)
+    got = [prefill(model, prompts, cache, lengths)]
+    for k in range(30):
+        got.append(decode_step(model, seqs[torch.arange(3), lengths + k], cache))
+    got = torch.stack(got, 1)
+    with torch.no_grad():
+        full = model(seqs)
+    for b, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got[b], full[b, n - 1: n + 30], rtol=1e-10, atol=1e-10)
+
+
+def test_the_compressed_stream_is_emitted_on_schedule_and_equals_the_full_compressor():
+    model = tiny_model(seed=5)
+    tokens = tokens_for(2, T, seed=4)
+    prompt_len = 13
+    counts = []
+    _, cache = decode_logits(model, tokens, prompt_len,
+                             record=lambda t, c: counts.append((t, [layer.n_cmp.tolist() for layer in c.layers])))
+    l, d = HYPER["block_len"], HYPER["block_stride"]
+    before = [[[2, 2]] * 2] + [c for _, c in counts[:-1]]  # Nc(13) = 2 blocks came with the prompt
+    emitted = [t for (t, after), prev in zip(counts, before) if after != prev]
+    assert emitted == [t for t in range(prompt_len, T) if t + 1 >= l and (t + 1 - l) % d == 0]
+    assert emitted[:3] == [15, 19, 23]
+    assert all(after == [[num_compressed_blocks(t + 1, l, d)] * 2] * 2 for t, after in counts)
+    _, layers = full_forward_layers(model, tokens)
+    for layer_cache, full in zip(cache.layers, layers):
+        nc = full["k_cmp"].shape[1]
+        assert nc == num_compressed_blocks(T, l, d) == 24
+        torch.testing.assert_close(layer_cache.k_cmp[:, :nc], full["k_cmp"], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(layer_cache.v_cmp[:, :nc], full["v_cmp"], rtol=1e-12, atol=1e-12)
+
+
+def _real_tokens_in(blocks, t, sel_block):
+    return sum(1 for j in blocks if j >= 0 for s in range(j * sel_block, (j + 1) * sel_block) if s <= t)
+
+
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_each_step_selects_the_reference_blocks_and_reads_what_the_design_says(shared_kv):
+    model = tiny_model(seed=7, shared_kv=shared_kv)
+    tokens = tokens_for(2, T, seed=6)
+    steps = []
+    decode_logits(model, tokens, 1, record=lambda t, c: steps.append(
+        (t, [(layer.selected.clone(), layer.reads.clone()) for layer in c.layers])))
+    _, layers = full_forward_layers(model, tokens)
+    sel = {k: HYPER[k] for k in ("block_len", "block_stride", "sel_block", "n_sel")}
+    ref = [reference.select_blocks(full["q"], full["k_cmp"], **sel) for full in layers]  # [B,T,G,n]
+    l, d, l_sel, w = HYPER["block_len"], HYPER["block_stride"], HYPER["sel_block"], HYPER["window"]
+    free_choices = set()
+    for t, per_layer in steps:
+        for i, (selected, reads) in enumerate(per_layer):
+            assert torch.equal(selected, ref[i][:, t]), (t, i, selected, ref[i][:, t])
+            for b in range(2):
+                for g in range(2):
+                    blocks = selected[b, g].tolist()
+                    want = num_compressed_blocks(t + 1, l, d) + _real_tokens_in(blocks, t, l_sel) + min(w, t + 1)
+                    assert reads[b, g].item() == want, (t, i, b, g, blocks, reads[b, g].item(), want)
+                    j_t = t // l_sel
+                    free_choices |= set(blocks) - {-1, 0, j_t, j_t - 1}
+    # The scores matter: free picks other than block 1 (where ties, e.g. all-zero scores, would land).
+    assert len(free_choices - {1}) >= 3, free_choices
+    assert steps[-1][1][0][1].max().item() == 24 + 29 + 16 < T  # sparse: 69 of the 101 tokens
+
+
+@pytest.mark.parametrize("n_sel,t,want", [(4, 38, [0, 1, 3, 4]), (4, 70, [0, 1, 7, 8]), (6, 67, [0, 1, 2, 3, 7, 8])])
+def test_tied_scores_go_to_the_lower_block_as_in_the_reference(n_sel, t, want):
+    # q = 0 makes p_cmp uniform; where Nc(t+1) is a power of two, p and the block scores are exact,
+    # so every fully covered block ties with the others.
+    model = tiny_model(seed=17, n_sel=n_sel)
+    _, cache = decode_logits(model, tokens_for(1, T, seed=8), T)
+    layer = cache.layers[0]
+    nc = num_compressed_blocks(t + 1, HYPER["block_len"], HYPER["block_stride"])
+    assert nc & (nc - 1) == 0
+    layer.n_cmp.fill_(nc)
+    q = torch.zeros(1, 4, 8, dtype=torch.float64)
+    decode_attention(q, torch.rand(1, 4, 3, dtype=torch.float64), layer, t, sel_block=8, n_sel=n_sel, window=16)
+    sel = {k: HYPER[k] for k in ("block_len", "block_stride", "sel_block")}
+    ref = reference.select_blocks(torch.zeros(1, t + 1, 4, 8, dtype=torch.float64), layer.k_cmp[:, :nc], **sel,
+                                  n_sel=n_sel)
+    assert layer.selected.tolist() == ref[:, t].tolist() == [[want] * 2]
+
+
+def test_dense_reads_every_cached_token():
+    model = tiny_model("dense")
+    reads = []
+    decode_logits(model, tokens_for(1, 40), 5, record=lambda t, c: reads.append(c.layers[1].reads.tolist()))
+    assert reads == [[[t + 1] * 2] for t in range(5, 40)]
+
+
+def test_the_cache_refuses_to_overflow_and_prompts_must_fit():
+    model = tiny_model()
+    cache = new_cache(model, 1, 10)
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill(model, tokens_for(1, 11), cache)
+    prefill(model, tokens_for(1, 9), cache)
+    decode_step(model, torch.tensor([3]), cache)
+    with pytest.raises(ValueError, match="cache is full"):
+        decode_step(model, torch.tensor([3]), cache)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_greedy_generation_equals_argmax_of_full_forwards(attention):
+    model = tiny_model(attention, seed=11)
+    prompt = tokens_for(2, 7, seed=12)
+    want = sample(model, prompt, 40, context=1000, temperature=0)[:, 7:].tolist()
+    assert generate(model, prompt, 40, temperature=0) == want
+    assert generate(model, prompt[0].tolist(), 40, temperature=0) == want[:1]
+    # top-k 1 and a vanishing top-p keep only the likeliest token: sampling reduces to greedy.
+    assert generate(model, prompt, 40, temperature=1.0, top_k=1, seed=0) == want
+    assert generate(model, prompt, 40, temperature=1.0, top_p=1e-9, seed=0) == want
+
+
+def test_a_ragged_batch_generates_what_each_prompt_generates_alone():
+    model = tiny_model(seed=14)
+    prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (3, 20, 9)]
+    assert generate(model, prompts, 25, temperature=0) == [generate(model, p, 25, temperature=0)[0] for p in prompts]
+
+
+def test_sampling_is_seeded_and_streams_every_token():
+    model = tiny_model(seed=13)
+    streamed = []
+    first = generate(model, [1, 2, 3], 30, temperature=1.0, top_p=0.9, top_k=20, seed=4,
+                     on_token=lambda tok: streamed.append(tok.tolist()))
+    assert first == generate(model, [1, 2, 3], 30, temperature=1.0, top_p=0.9, top_k=20, seed=4)
+    assert first != generate(model, [1, 2, 3], 30, temperature=1.0, top_p=0.9, top_k=20, seed=5)
+    assert [[tok] for tok in first[0]] == streamed
+    stopped = generate(model, [1, 2, 3], 30, temperature=1.0, top_p=0.9, top_k=20, seed=4, stop_id=first[0][5])
+    assert stopped[0] == first[0][: first[0].index(first[0][5]) + 1]
+
+
+# ---------------------------------------------------------------- from a trained checkpoint, through the CLI
+
+FAST = [
+    "model.dim=64", "model.n_layers=2", "model.mlp_hidden=192", "model.head_dim=16",
+    "train.seq_len=64", "train.batch_size=8", "train.steps=5", "train.warmup_steps=2",
+    "train.eval_every=0", "train.log_every=5", "train.sample_tokens=0", "train.progress=false",
+]
+PROMPT = "And God said"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs")
+    train(load_config(None, FAST + [f"train.out_dir={out}", "train.run_name=r"]))
+    return out / "r"
+
+
+def test_nsa_generate_streams_the_greedy_continuation_of_a_trained_checkpoint(run_dir, capsys):
+    assert main(["generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "24",
+                 "--temperature", "0", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+
+    loaded = load_for_inference(run_dir, "cpu")
+    assert loaded.path.name == "step_00000005" and loaded.context == 64
+    prompt = torch.as_tensor(loaded.tokenizer.encode(PROMPT))[None]
+    ids = sample(loaded.model, prompt, 24, context=64, temperature=0)[0, prompt.shape[1]:].tolist()
+    if loaded.tokenizer.eot_id in ids:
+        ids = ids[: ids.index(loaded.tokenizer.eot_id)]
+    continuation = loaded.tokenizer.decode(ids)
+    assert printed == PROMPT + continuation + "\n"
+
+    pieces = []
+    assert generate_text(loaded, PROMPT, 24, temperature=0, write=pieces.append) == continuation
+    assert pieces[0] == PROMPT and "".join(pieces) == printed and len(pieces) > 2  # streamed piece by piece
+
+
+def test_nsa_generate_samples_with_a_seed(run_dir, capsys):
+    args = ["generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "20", "--temperature", "0.9",
+            "--top-p", "0.9", "--top-k", "40", "--seed", "3"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first and first.startswith(PROMPT) and len(first) > len(PROMPT) + 1
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["/no/such/run"], "nsa: error: no complete checkpoint at '/no/such/run'"),
+        (["RUN", "--prompt", "x" * 65], "nsa: error: the prompt is 65 tokens but the context is 64"),
+        (["RUN", "--prompt", "x" * 10, "--max-new-tokens", "60"], "nsa: error: the prompt (10 tokens) plus"),
+        (["RUN", "--max-new-tokens", "0"], "nsa: error: --max-new-tokens must be >= 1"),
+        (["RUN", "--top-p", "1.5"], "nsa: error: top_p must be in (0, 1]"),
+    ],
+)
+def test_nsa_generate_user_errors_are_one_line_with_exit_code_2(run_dir, args, message, capsys):
+    args = [str(run_dir) if a == "RUN" else a for a in args]
+    assert main(["generate"] + args) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(message) and captured.err.count("\n") == 1, captured.err
+    assert captured.out == ""
+
+
+def test_empty_prompts_are_refused():
+    with pytest.raises(UserError, match="at least one token"):
+        generate(tiny_model(), [], 3)
