@@ -16,6 +16,18 @@ import torch.nn.functional as F
 from .cache import DenseLayerCache, NSALayerCache
 
 
+def _use_triton(backend: str, device: torch.device) -> bool:
+    from ..ops import triton as triton_backend
+
+    if backend not in ("auto", "reference", "triton"):
+        raise ValueError(f"unknown NSA backend {backend!r}; choose one of auto, reference, triton")
+    if backend == "auto":
+        return device.type == "cuda" and triton_backend.installed()
+    if backend == "triton" and not triton_backend.available(device):
+        raise ValueError(f"backend='triton' needs a CUDA device (got {device}) and the triton package")
+    return backend == "triton"
+
+
 def _as_positions(positions: torch.Tensor | int, batch: int, device) -> torch.Tensor:
     if isinstance(positions, int):
         return torch.full((batch,), positions, dtype=torch.long, device=device)
@@ -117,6 +129,7 @@ def decode_attention(
     n_sel: int,
     window: int,
     scale: float | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NSA output o [B,H,Dv] of the queries q [B,H,Dk] at positions [B] (or one int for all), and
     reads [B,G]: key/value tokens gathered per sequence and group (compressed + selected + window).
@@ -124,11 +137,20 @@ def decode_attention(
     gates [B,H,3] in (cmp, sel, win) order, in [0, 1]. The cache must already hold every token up
     to and including t and the compressed tokens emitted at t (block_len and block_stride are the
     cache's: its compressed stream and overlap band were built with them). The chosen blocks are
-    written to cache.selected [B,G,n].
+    written to cache.selected [B,G,n]. backend: 'auto' (the fused Triton kernel on CUDA, this PyTorch
+    code elsewhere), 'reference' (this code) or 'triton'.
     """
     b, heads, dk = q.shape
     groups = cache.k.shape[3]
     scale = dk**-0.5 if scale is None else scale
+    if _use_triton(backend, q.device):
+        from ..ops.triton.decode import decode_attention_triton
+
+        return decode_attention_triton(
+            q, gates, cache.k_cmp, cache.v_cmp, cache.n_cmp, cache.keys("sel"), cache.values("sel"),
+            cache.keys("win"), cache.values("win"), _as_positions(positions, b, q.device),
+            block_len=cache.block_len, block_stride=cache.block_stride, sel_block=sel_block, n_sel=n_sel,
+            window=window, scale=scale, selected=cache.selected)
     dtype = torch.promote_types(torch.promote_types(q.dtype, cache.k.dtype), torch.float32)
     t = _as_positions(positions, b, q.device)
     qg = q.to(dtype).view(b, groups, heads // groups, dk)

@@ -40,7 +40,8 @@ def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions) 
     cache.emit(attn.compress_k, attn.compress_v, positions)  # before attending: a block ending at t is visible to t
     hyper = _hyper(attn)
     o, reads = decode_attention(p["q"][:, 0], p["gates"][:, 0].to(p["q"].dtype), cache, positions,
-                                sel_block=hyper["sel_block"], n_sel=hyper["n_sel"], window=hyper["window"])
+                                sel_block=hyper["sel_block"], n_sel=hyper["n_sel"], window=hyper["window"],
+                                backend=attn.cfg.nsa.backend)
     cache.reads.copy_(reads)
     return attn.wo(o.flatten(1))[:, None]
 

@@ -1,0 +1,83 @@
+"""The fused Triton decode kernel against the PyTorch decode path (nsa.inference.attention):
+outputs, chosen blocks and tokens read, for group sizes 1, 6 and 16, positions before the first
+compressed block, on block edges and in the middle of blocks; then whole-model decoding with the
+kernel equals the full forward. Without a GPU this runs in Triton's interpreter (tests/conftest.py)."""
+
+import pytest
+import torch
+
+from nsa.inference import decode_attention, decode_step, new_cache, prefill
+from nsa.model import ModelConfig, NSAConfig, Transformer
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = dict(rtol=2e-2, atol=2e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-5)
+
+
+def model_for(n_heads, n_kv_heads, head_dim=8, backend="reference", **hyper):
+    hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=4, window=12) | hyper
+    cfg = ModelConfig(attention="nsa", vocab_size=53, dim=32, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      head_dim=head_dim, mlp_hidden=48,
+                      nsa=NSAConfig(**hp, phi_hidden=16, gate_hidden=16, backend=backend))
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval().to(DEVICE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    return model
+
+
+def random_layer_cache(model, positions, seed):
+    """Layer 0's cache filled with random keys/values, with the compressed tokens each position has emitted."""
+    cache = new_cache(model, len(positions), 80)
+    layer = cache.layers[0]
+    gen = torch.Generator().manual_seed(seed)
+    for buf in (layer.k, layer.v, layer.k_cmp, layer.v_cmp):
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    t = torch.tensor(positions, device=DEVICE)
+    layer.n_cmp.copy_(((t + 1 - layer.block_len).div(layer.block_stride, rounding_mode="floor") + 1).clamp_min(0))
+    return layer, t
+
+
+@pytest.mark.parametrize("heads,groups", [(2, 2), (6, 1), (16, 1), (12, 2)], ids=["h1", "h6", "h16", "m7c-like"])
+def test_triton_decode_kernel_matches_the_pytorch_path(heads, groups):
+    model = model_for(heads, groups)
+    nsa = model.cfg.nsa
+    positions = [0, 6, 7, 31, 40, 63, 64, 79]  # before the first block, block edges, inside blocks, the end
+    layer, t = random_layer_cache(model, positions, seed=heads)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(len(positions), heads, 8, generator=gen).to(DEVICE)
+    gates = torch.rand(len(positions), heads, 3, generator=gen).to(DEVICE)
+    hyper = dict(sel_block=nsa.sel_block, n_sel=nsa.n_sel, window=nsa.window)
+    want, want_reads = decode_attention(q, gates, layer, t, **hyper, backend="reference")
+    want_selected = layer.selected.clone()
+    layer.selected.fill_(-7)
+    got, got_reads = decode_attention(q, gates, layer, t, **hyper, backend="triton")
+    assert torch.equal(layer.selected, want_selected)
+    assert torch.equal(got_reads, want_reads)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_triton_decode_with_a_long_window_and_more_blocks_than_one_chunk():
+    # 80 tokens of 2-token selection blocks: 40 blocks, more than one 16-block chunk of the running top-n.
+    model = model_for(4, 2, sel_block=4, n_sel=5, window=100)
+    layer, t = random_layer_cache(model, [3, 50, 79], seed=3)
+    gen = torch.Generator().manual_seed(2)
+    q, gates = torch.randn(3, 4, 8, generator=gen).to(DEVICE), torch.rand(3, 4, 3, generator=gen).to(DEVICE)
+    hyper = dict(sel_block=4, n_sel=5, window=100)
+    want, want_reads = decode_attention(q, gates, layer, t, **hyper, backend="reference")
+    want_selected = layer.selected.clone()
+    got, got_reads = decode_attention(q, gates, layer, t, **hyper, backend="triton")
+    assert torch.equal(layer.selected, want_selected) and torch.equal(got_reads, want_reads)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@torch.no_grad()
+def test_decoding_with_the_kernel_equals_the_full_forward():
+    model = model_for(4, 2, backend="triton")
+    tokens = torch.randint(0, 53, (2, 45), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    full = model(tokens)  # the full forward runs the training kernels (backend triton)
+    cache = new_cache(model, 2, 45)
+    logits = [prefill(model, tokens[:, :20], cache)]
+    for i in range(20, 45):
+        logits.append(decode_step(model, tokens[:, i], cache))
+    torch.testing.assert_close(torch.stack(logits, 1), full[:, 19:], **TOL)
