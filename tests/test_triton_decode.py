@@ -57,13 +57,15 @@ def test_triton_decode_kernel_matches_the_pytorch_path(heads, groups):
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_triton_decode_with_a_long_window_and_more_blocks_than_one_chunk():
-    # 80 tokens of 2-token selection blocks: 40 blocks, more than one 16-block chunk of the running top-n.
-    model = model_for(4, 2, sel_block=4, n_sel=5, window=100)
-    layer, t = random_layer_cache(model, [3, 50, 79], seed=3)
-    gen = torch.Generator().manual_seed(2)
-    q, gates = torch.randn(3, 4, 8, generator=gen).to(DEVICE), torch.rand(3, 4, 3, generator=gen).to(DEVICE)
-    hyper = dict(sel_block=4, n_sel=5, window=100)
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_triton_decode_with_a_long_window_and_blocks_across_chunks(seed):
+    # 2-token selection blocks under 8-token compressed blocks: each compressed token feeds 4 selection
+    # blocks, across the edges of the kernel's 16-block chunks (40 blocks: 3 chunks).
+    model = model_for(4, 2, block_len=8, block_stride=2, sel_block=2, n_sel=8, window=100)
+    layer, t = random_layer_cache(model, [3, 33, 50, 79], seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    q, gates = torch.randn(4, 4, 8, generator=gen).to(DEVICE), torch.rand(4, 4, 3, generator=gen).to(DEVICE)
+    hyper = dict(sel_block=2, n_sel=8, window=100)
     want, want_reads = decode_attention(q, gates, layer, t, **hyper, backend="reference")
     want_selected = layer.selected.clone()
     got, got_reads = decode_attention(q, gates, layer, t, **hyper, backend="triton")
@@ -72,12 +74,18 @@ def test_triton_decode_with_a_long_window_and_more_blocks_than_one_chunk():
 
 
 @torch.no_grad()
-def test_decoding_with_the_kernel_equals_the_full_forward():
-    model = model_for(4, 2, backend="triton")
-    tokens = torch.randint(0, 53, (2, 45), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    full = model(tokens)  # the full forward runs the training kernels (backend triton)
-    cache = new_cache(model, 2, 45)
-    logits = [prefill(model, tokens[:, :20], cache)]
-    for i in range(20, 45):
+def test_decoding_with_the_kernel_equals_the_full_forward(monkeypatch):
+    import nsa.inference.decode as decode_module
+
+    def triton_decode_attention(*args, **kwargs):  # the model's prefill stays on the reference backend
+        return decode_attention(*args, **{**kwargs, "backend": "triton"})
+
+    monkeypatch.setattr(decode_module, "decode_attention", triton_decode_attention)
+    model = model_for(4, 2)
+    tokens = torch.randint(0, 53, (2, 34), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    full = model(tokens)
+    cache = new_cache(model, 2, 34)
+    logits = [prefill(model, tokens[:, :22], cache)]
+    for i in range(22, 34):  # crosses compressed emissions (every 4 tokens) and a selection-block edge (32)
         logits.append(decode_step(model, tokens[:, i], cache))
-    torch.testing.assert_close(torch.stack(logits, 1), full[:, 19:], **TOL)
+    torch.testing.assert_close(torch.stack(logits, 1), full[:, 21:], **TOL)

@@ -1,15 +1,20 @@
-"""NSA decode attention: one new query per sequence, every branch in one kernel.
+"""NSA decode attention: one new query per sequence, split over many programs.
 
-One program per (sequence, key/value group), the group's h heads packed into the rows:
-  1. the compressed branch over the emitted compressed tokens (online softmax, then its lse);
-  2. the selection: p_cmp recomputed chunk by chunk, summed over the heads, mapped to
-     selection-block scores with the Eq. 9 overlaps, merged into a running top-n with the
-     forced blocks (the same int64 ranking keys as the training selection kernel);
-  3. the selected branch over the chosen blocks' raw tokens (those <= t);
-  4. the window branch over the last min(w, t + 1) tokens;
-  5. the gated sum.
-It also writes the chosen blocks and the number of key/value tokens it read. Only those
-tokens are loaded: the decode step's memory traffic is Nc(t) + n*l' + w tokens, not t.
+A decode step has one query row per sequence, so one program per (sequence, key/value
+group) would leave the GPU nearly idle at batch 1. The work is split instead, in four launches
+(the group's h heads always packed into the rows of one tile):
+  A. one program per (chunk of K selection blocks, sequence, group): the compressed tokens
+     starting in the chunk give a partial softmax (local max, sum, p @ v) and, per head, their
+     Eq. 9 contributions to the chunk's selection blocks (and to the next chunk's: a compressed
+     token can reach across a chunk edge);
+  B. one program per (sequence, group): merges the chunks into the compressed output and lse,
+     rescales every chunk's contributions to exp(s - lse), sums the heads, and keeps a running
+     top-n with the forced blocks (the same int64 ranking keys as the training selection);
+  C. one program per (chosen block or window tile, sequence, group): a partial softmax over
+     those raw tokens (only tokens <= t);
+  D. one program per (sequence, group): merges the selected and window partials and forms the
+     gated sum; it also counts the key/value tokens read.
+Only the compressed stream, the chosen blocks and the window are loaded: Nc(t) + n*l' + w tokens.
 """
 
 from __future__ import annotations
@@ -18,125 +23,195 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, load_tile, softmax_finish, softmax_step, store_tile
+from .common import LOG2E, load_tile, store_tile
 from .selection import _overlap
 
 
 @triton.jit
-def _attend_span(q, KP, VP, skt, start, stop, t, m_i, l_i, acc, dk, dv, scale_log2,
-                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online-softmax update over raw tokens [start, stop) that are <= t; (m, l, acc, tokens read)."""
-    read = tl.full([], 0, tl.int32)
-    for s0 in range(start, stop, BLOCK_N):
-        tok = s0 + tl.arange(0, BLOCK_N)
-        ok = (tok < stop) & (tok <= t) & (tok >= 0)
-        off = tok.to(tl.int64) * skt
-        k = load_tile(KP, off, dk, ok, DK)
-        v = load_tile(VP, off, dv, ok, DV)
-        s = tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
-        read += tl.sum(ok.to(tl.int32))
-    return m_i, l_i, acc, read
+def _chunk_kernel(
+    Q, KC, VC, NCMP, PM, PL, PACC, PSC,
+    sqb, sqh, scb, sct, scg,
+    G, h, NCH, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+):
+    c = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (pid // G).to(tl.int64)
+    g = pid % G
+    nc = tl.load(NCMP + b).to(tl.int32)
+    dk, dv, rh = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV), tl.arange(0, HP)
+    row_ok = rh < h
+    q = load_tile(Q + b * sqb, (g * h + tl.where(row_ok, rh, 0)).to(tl.int64) * sqh, dk, row_ok, DK)
+
+    j0 = c * K
+    ci_local = tl.arange(0, C)
+    ci = (j0 * sel_block) // block_stride + ci_local
+    ci_ok = (ci_local < chunk_tokens) & (ci < nc)
+    off = ci.to(tl.int64) * sct
+    base = b * scb + g * scg
+    s = tl.dot(q, tl.trans(load_tile(KC + base, off, dk, ci_ok, DK))) * scale_log2
+    s = tl.where(ci_ok[None, :] & row_ok[:, None], s, float("-inf"))
+    m = tl.max(s, 1)
+    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    v = load_tile(VC + base, off, dv, ci_ok, DV)
+    acc = tl.dot(p.to(v.dtype), v)
+
+    jj = tl.arange(0, K)
+    starts = (ci * block_stride)[:, None]
+    w_cur = tl.where(ci_ok[:, None], _overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
+    w_nxt = tl.where(ci_ok[:, None], _overlap(starts, (j0 + K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
+    # Exact fp32 products: the ranking must match the reference's.
+    sc_cur = tl.dot(p, w_cur, input_precision="ieee")
+    sc_nxt = tl.dot(p, w_nxt, input_precision="ieee")
+
+    row = (pid * NCH + c).to(tl.int64) * HP + rh  # partial (program, chunk, head)
+    tl.store(PM + row, m)
+    tl.store(PL + row, tl.sum(p, 1))
+    tl.store(PACC + row[:, None] * BLOCK_DV + dv[None, :], acc)
+    tl.store(PSC + row[:, None] * (2 * K) + jj[None, :], sc_cur)
+    tl.store(PSC + row[:, None] * (2 * K) + K + jj[None, :], sc_nxt)
 
 
 @triton.jit
-def _decode_kernel(
-    Q, GATE, KC, VC, NCMP, KS, VS, KW, VW, POS, O, IDX, READS,
-    sqb, sqh, sgb, sgh, sgc, scb, sct, scg, ssb, sst, ssg, swb, swt, swg, sob, soh, sib, sig,
-    G, h, L, scale_log2, block_len, block_stride, sel_block, n_sel, window, chunk_tokens,
-    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SEL: tl.constexpr,
+def _merge(PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr):
+    """Merge `count` partial softmaxes (rows first .. first+count-1 of [*, HP] stats and [*, HP, BLOCK_DV]
+    sums): (max, sum, acc) over all of them, in log2 units."""
+    rh = tl.arange(0, HP)
+    dv = tl.arange(0, BLOCK_DV)
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
+    acc = tl.zeros([HP, BLOCK_DV], tl.float32)
+    for p0 in range(0, count, PT):
+        pp = p0 + tl.arange(0, PT)
+        ok = pp < count
+        row = (first + pp).to(tl.int64)[:, None] * HP + rh[None, :]  # [PT, HP]
+        m = tl.load(PM + row, mask=ok[:, None], other=float("-inf"))
+        l_p = tl.load(PL + row, mask=ok[:, None], other=0.0)
+        a = tl.load(PACC + row[:, :, None] * BLOCK_DV + dv[None, None, :], mask=ok[:, None, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        f = tl.exp2(m - m_safe[None, :])  # 0 for empty partials
+        l_i = l_i * alpha + tl.sum(l_p * f, 0)
+        acc = acc * alpha[:, None] + tl.sum(a * f[:, :, None], 0)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _select_kernel(
+    PM, PL, PACC, PSC, POS, OCMP, IDX,
+    sib, sig, G, NCH, sel_block, n_sel,
+    HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // G).to(tl.int64)
     g = pid % G
     t = tl.load(POS + b)
-    nc = tl.load(NCMP + b).to(tl.int32)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    rh = tl.arange(0, HP)
-    row_ok = rh < h
-    head = (g * h + tl.where(row_ok, rh, 0)).to(tl.int64)
-    q = load_tile(Q + b * sqb, head * sqh, dk, row_ok, DK)
-
-    # 1. Compressed branch.
-    kc_base, vc_base = KC + b * scb + g * scg, VC + b * scb + g * scg
-    m_i = tl.full([HP], float("-inf"), tl.float32)
-    l_i = tl.zeros([HP], tl.float32)
-    acc = tl.zeros([HP, BLOCK_DV], tl.float32)
-    for s0 in range(0, nc, BLOCK_N):
-        ci = s0 + tl.arange(0, BLOCK_N)
-        ok = ci < nc
-        off = ci.to(tl.int64) * sct
-        s = tl.where(ok[None, :], tl.dot(q, tl.trans(load_tile(kc_base, off, dk, ok, DK))) * scale_log2,
-                     float("-inf"))
-        m_i, l_i, acc = softmax_step(s, load_tile(vc_base, off, dv, ok, DV), m_i, l_i, acc)
-    o_cmp, lse = softmax_finish(m_i, l_i, acc)
-    lse2 = lse * 1.4426950408889634
-
-    # 2. Selection: Eq. 9 scores chunk by chunk (K blocks each), a running top-K of int64 keys.
     j_t = t // sel_block
-    jj = tl.arange(0, K)
-    ci_local = tl.arange(0, C)
-    best = tl.full([1, K], -1, tl.int64)
-    carry = tl.zeros([K], tl.float32)
-    for c in range(0, j_t // K + 1):
-        j0 = c * K
-        ci = (j0 * sel_block) // block_stride + ci_local
-        ci_ok = (ci_local < chunk_tokens) & (ci < nc)
-        kc = load_tile(kc_base, ci.to(tl.int64) * sct, dk, ci_ok, DK)
-        s = tl.dot(q, tl.trans(kc)) * scale_log2
-        p = tl.exp2(tl.where(ci_ok[None, :] & row_ok[:, None], s - lse2[:, None], float("-inf")))
-        p_tok = tl.sum(p, 0)  # the group's heads summed
-        starts = (ci * block_stride)[:, None]
-        w_cur = tl.where(ci_ok[:, None], _overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
-        w_nxt = tl.where(ci_ok[:, None], _overlap(starts, (j0 + K + jj)[None, :], block_len, sel_block,
-                                                  block_stride), 0.0)
-        score = tl.sum(p_tok[:, None] * w_cur, 0) + carry
-        carry = tl.sum(p_tok[:, None] * w_nxt, 0)
-        j = (j0 + jj).to(tl.int64)
+    rh, dv, jj = tl.arange(0, HP), tl.arange(0, BLOCK_DV), tl.arange(0, K)
+    first = pid * NCH
+    m_i, l_i, acc = _merge(PM, PL, PACC, first, NCH, HP, BLOCK_DV, PT)
+    has = l_i > 0
+    tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
+             acc / tl.where(has, l_i, 1.0)[:, None])
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))  # no key: every p is 0
+
+    best = tl.full([1, CT * K], -1, tl.int64)
+    for c0 in range(0, j_t // K + 1, CT):
+        cc = c0 + tl.arange(0, CT)
+        cur = (first + cc).to(tl.int64)[:, None] * HP + rh[None, :]  # [CT, HP]
+        prev = cur - HP
+        ok_cur = (cc < NCH)[:, None]
+        ok_prev = ((cc >= 1) & (cc - 1 < NCH))[:, None]
+        f_cur = tl.exp2(tl.load(PM + cur, mask=ok_cur, other=float("-inf")) - lse2[None, :])
+        f_prev = tl.exp2(tl.load(PM + prev, mask=ok_prev, other=float("-inf")) - lse2[None, :])
+        sc = tl.load(PSC + cur[:, :, None] * (2 * K) + jj[None, None, :], mask=ok_cur[:, :, None], other=0.0)
+        sn = tl.load(PSC + prev[:, :, None] * (2 * K) + K + jj[None, None, :], mask=ok_prev[:, :, None], other=0.0)
+        score = tl.sum(sc * f_cur[:, :, None], 1) + tl.sum(sn * f_prev[:, :, None], 1)  # [CT, K]
+        j = (cc[:, None] * K + jj[None, :]).to(tl.int64)
         forced = (j == 0) | (j == j_t) | (j == j_t - 1)
         bits = tl.where(forced, 0x7F800000, score.to(tl.int32, bitcast=True).to(tl.int64))
-        key = tl.where(j <= j_t, bits * 4294967296 + (4294967295 - j), -1)
-        best = tl.topk(tl.reshape(tl.join(best, key[None, :]), [1, 2 * K]), K)
-    chosen = tl.reshape(best, [K])
-    chosen = tl.where((chosen >= 0) & (jj < n_sel), 4294967295 - (chosen & 4294967295), -1)
+        key = tl.reshape(tl.where(j <= j_t, bits * 4294967296 + (4294967295 - j), -1), [1, CT * K])
+        best = tl.topk(tl.reshape(tl.join(best, key), [1, 2 * CT * K]), CT * K)
+    # The first K of `best` (sorted by key, descending) hold the top n_sel.
+    top = tl.reshape(best, [CT, K])
+    top = tl.sum(tl.where((tl.arange(0, CT) == 0)[:, None], top, 0), 0)
+    chosen = tl.where((top >= 0) & (jj < n_sel), 4294967295 - (top & 4294967295), -1)
     BIG: tl.constexpr = 2147483647
     chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG))
     chosen = tl.where(chosen == BIG, -1, chosen)
     tl.store(IDX + b * sib + g * sig + jj, chosen, mask=jj < n_sel)
 
-    # 3. Selected branch over the chosen blocks.
-    ks_base, vs_base = KS + b * ssb + g * ssg, VS + b * ssb + g * ssg
-    m_s = tl.full([HP], float("-inf"), tl.float32)
-    l_s = tl.zeros([HP], tl.float32)
-    acc_s = tl.zeros([HP, BLOCK_DV], tl.float32)
-    sel_read = tl.full([], 0, tl.int32)
-    for i in range(0, n_sel):
-        blk = tl.sum(tl.where(jj == i, chosen, 0))
-        start = tl.where(blk >= 0, blk * sel_block, L)  # an unused slot reads nothing
-        m_s, l_s, acc_s, read = _attend_span(q, ks_base, vs_base, sst, start, start + sel_block, t, m_s, l_s,
-                                             acc_s, dk, dv, scale_log2, DK, DV, BLOCK_SEL)
-        sel_read += read
-    o_sel, _ = softmax_finish(m_s, l_s, acc_s)
 
-    # 4. Window branch.
-    lo = tl.maximum(t - window + 1, 0)
-    m_w = tl.full([HP], float("-inf"), tl.float32)
-    l_w = tl.zeros([HP], tl.float32)
-    acc_w = tl.zeros([HP, BLOCK_DV], tl.float32)
-    m_w, l_w, acc_w, win_read = _attend_span(q, KW + b * swb + g * swg, VW + b * swb + g * swg, swt, lo, t + 1, t,
-                                             m_w, l_w, acc_w, dk, dv, scale_log2, DK, DV, BLOCK_N)
-    o_win, _ = softmax_finish(m_w, l_w, acc_w)
+@triton.jit
+def _span_kernel(
+    Q, KS, VS, KW, VW, POS, IDX, PM, PL, PACC, PR,
+    sqb, sqh, ssb, sst, ssg, swb, swt, swg, sib, sig,
+    G, h, NP, scale_log2, sel_block, n_sel, window,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HP: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    i = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (pid // G).to(tl.int64)
+    g = pid % G
+    t = tl.load(POS + b)
+    dk, dv, rh = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV), tl.arange(0, HP)
+    row_ok = rh < h
+    q = load_tile(Q + b * sqb, (g * h + tl.where(row_ok, rh, 0)).to(tl.int64) * sqh, dk, row_ok, DK)
+    if i < n_sel:  # one chosen block
+        blk = tl.load(IDX + b * sib + g * sig + i)
+        start = tl.where(blk >= 0, blk * sel_block, t + 1)  # an unused slot covers nothing
+        stop = start + sel_block
+        kp, vp, stride = KS + b * ssb + g * ssg, VS + b * ssb + g * ssg, sst
+    else:  # one tile of the window
+        start = tl.maximum(t - window + 1, 0) + (i - n_sel) * BLOCK_N
+        stop = start + BLOCK_N
+        kp, vp, stride = KW + b * swb + g * swg, VW + b * swb + g * swg, swt
+    tok = start + tl.arange(0, BLOCK_N)
+    ok = (tok < stop) & (tok <= t)
+    off = tok.to(tl.int64) * stride
+    s = tl.dot(q, tl.trans(load_tile(kp, off, dk, ok, DK))) * scale_log2
+    s = tl.where(ok[None, :] & row_ok[:, None], s, float("-inf"))
+    m = tl.max(s, 1)
+    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    v = load_tile(vp, off, dv, ok, DV)
+    row = (pid * NP + i).to(tl.int64) * HP + rh
+    tl.store(PM + row, m)
+    tl.store(PL + row, tl.sum(p, 1))
+    tl.store(PACC + row[:, None] * BLOCK_DV + dv[None, :], tl.dot(p.to(v.dtype), v))
+    tl.store(PR + pid * NP + i, tl.sum(ok.to(tl.int32)))
 
-    # 5. Gated sum.
+
+@triton.jit
+def _combine_kernel(
+    GATE, NCMP, OCMP, PM, PL, PACC, PR, O, READS,
+    sgb, sgh, sgc, sob, soh,
+    G, h, NP, n_sel,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, HP: tl.constexpr, PT: tl.constexpr, NPP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // G).to(tl.int64)
+    g = pid % G
+    rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
+    row_ok = rh < h
+    head = (g * h + tl.where(row_ok, rh, 0)).to(tl.int64)
+    _, l_s, acc_s = _merge(PM, PL, PACC, pid * NP, n_sel, HP, BLOCK_DV, PT)
+    _, l_w, acc_w = _merge(PM, PL, PACC, pid * NP + n_sel, NP - n_sel, HP, BLOCK_DV, PT)
+    o_sel = acc_s / tl.where(l_s > 0, l_s, 1.0)[:, None]
+    o_win = acc_w / tl.where(l_w > 0, l_w, 1.0)[:, None]
+    o_cmp = tl.load(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :])
     gate = GATE + b * sgb + head * sgh
     g_cmp = tl.load(gate, mask=row_ok, other=0.0).to(tl.float32)
     g_sel = tl.load(gate + sgc, mask=row_ok, other=0.0).to(tl.float32)
     g_win = tl.load(gate + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
     o = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel + g_win[:, None] * o_win
     store_tile(O + b * sob, head * soh, dv, row_ok, o, DV)
-    tl.store(READS + b * G + g, (nc + sel_read + win_read).to(tl.int64))
+    pp = tl.arange(0, NPP)
+    reads = tl.sum(tl.load(PR + pid * NP + pp, mask=pp < NP, other=0))
+    tl.store(READS + pid, (tl.load(NCMP + b) + reads).to(tl.int64))
 
 
 def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
@@ -146,28 +221,52 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
                             selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """o [B,H,Dv] and reads [B,G] for queries q [B,H,Dk] at positions [B]; writes selected [B,G,n_sel].
 
-    k_cmp/v_cmp [B,Nc_max,G,D] hold n_cmp [B] emitted tokens; k_sel..v_win [B,L,G,D] (any strides
-    with a unit last dimension) hold every token up to t.
+    k_cmp/v_cmp [B,Nc_max,G,D] hold n_cmp [B] emitted tokens; k_sel..v_win [B,L,G,D] (any strides with a
+    unit last dimension) hold every token up to t. Shapes depend only on the cache's capacity, so a step
+    can be captured in a CUDA graph.
     """
     B, H, Dk = q.shape
     G, Dv, L = k_sel.shape[2], v_sel.shape[-1], k_sel.shape[1]
     h = H // G
-    K = max(16, triton.next_power_of_2(n_sel), triton.next_power_of_2(-(-block_len // sel_block) + 1))
-    chunk_tokens = K * sel_block // block_stride
-    o = torch.empty(B, H, Dv, device=q.device, dtype=q.dtype)
-    reads = torch.empty(B, G, device=q.device, dtype=torch.int64)
     # One set of strides serves keys and values (the cache allocates them alike).
     assert k_sel.stride() == v_sel.stride() and k_win.stride() == v_win.stride() and k_cmp.stride() == v_cmp.stride()
-    _decode_kernel[(B * G,)](
-        q, gates, k_cmp, v_cmp, n_cmp, k_sel, v_sel, k_win, v_win, positions, o, selected, reads,
-        q.stride(0), q.stride(1), gates.stride(0), gates.stride(1), gates.stride(2),
-        k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), k_sel.stride(0), k_sel.stride(1), k_sel.stride(2),
-        k_win.stride(0), k_win.stride(1), k_win.stride(2), o.stride(0), o.stride(1),
-        selected.stride(0), selected.stride(1),
-        G, h, L, scale * LOG2E, block_len, block_stride, sel_block, n_sel, window, chunk_tokens,
-        DK=Dk, DV=Dv, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
-        HP=max(16, triton.next_power_of_2(h)), K=K, C=max(16, triton.next_power_of_2(chunk_tokens)),
-        BLOCK_N=64 if q.is_cuda else 16, BLOCK_SEL=max(16, triton.next_power_of_2(sel_block)),
-        num_warps=4 if q.is_cuda else 1,
-    )
+    # A chunk's K blocks must hold the top n_sel, and a compressed token must not reach past the next chunk.
+    K = max(16, triton.next_power_of_2(n_sel), triton.next_power_of_2(-(-block_len // sel_block) + 1))
+    chunk_tokens = K * sel_block // block_stride
+    n_chunks = triton.cdiv(triton.cdiv(L, sel_block), K)
+    HP = max(16, triton.next_power_of_2(h))
+    BLOCK_N = max(16, triton.next_power_of_2(sel_block))  # a chosen block is one tile; so is a piece of window
+    n_parts = n_sel + triton.cdiv(min(window, L), BLOCK_N)  # window tiles start at max(t - w + 1, 0)
+    dims = dict(DK=Dk, DV=Dv, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)))
+    f32 = dict(device=q.device, dtype=torch.float32)
+    bg = B * G
+    pm, pl = torch.empty(bg, n_chunks, HP, **f32), torch.empty(bg, n_chunks, HP, **f32)
+    pacc = torch.empty(bg, n_chunks, HP, dims["BLOCK_DV"], **f32)
+    psc = torch.empty(bg, n_chunks, HP, 2 * K, **f32)
+    ocmp = torch.empty(bg, HP, dims["BLOCK_DV"], **f32)
+    sm, sl = torch.empty(bg, n_parts, HP, **f32), torch.empty(bg, n_parts, HP, **f32)
+    sacc = torch.empty(bg, n_parts, HP, dims["BLOCK_DV"], **f32)
+    sreads = torch.empty(bg, n_parts, device=q.device, dtype=torch.int32)
+    o = torch.empty(B, H, Dv, device=q.device, dtype=q.dtype)
+    reads = torch.empty(B, G, device=q.device, dtype=torch.int64)
+    warps = dict(num_warps=4 if q.is_cuda else 1)
+    scale_log2 = scale * LOG2E
+
+    _chunk_kernel[(n_chunks, bg)](
+        q, k_cmp, v_cmp, n_cmp, pm, pl, pacc, psc, q.stride(0), q.stride(1),
+        k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+        G, h, n_chunks, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
+        **dims, HP=HP, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), **warps)
+    _select_kernel[(bg,)](
+        pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_chunks,
+        sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=8, PT=8, **warps)
+    _span_kernel[(n_parts, bg)](
+        q, k_sel, v_sel, k_win, v_win, positions, selected, sm, sl, sacc, sreads, q.stride(0), q.stride(1),
+        k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
+        selected.stride(0), selected.stride(1), G, h, n_parts, scale_log2, sel_block, n_sel, window,
+        **dims, HP=HP, BLOCK_N=BLOCK_N, **warps)
+    _combine_kernel[(bg,)](
+        gates, n_cmp, ocmp, sm, sl, sacc, sreads, o, reads, gates.stride(0), gates.stride(1), gates.stride(2),
+        o.stride(0), o.stride(1), G, h, n_parts, n_sel, DV=Dv, BLOCK_DV=dims["BLOCK_DV"], HP=HP, PT=8,
+        NPP=triton.next_power_of_2(n_parts), **warps)
     return o, reads
