@@ -126,7 +126,7 @@ def _cmd_bench_decode(ns: argparse.Namespace) -> int:
 
     path, overrides = _bench_config(ns.args)
     decode.run(path, overrides, contexts=ns.contexts, batches=ns.batches, attentions=ns.attention.split(","),
-               steps=ns.steps, out_dir=ns.out, device=ns.device)
+               steps=ns.steps, out_dir=ns.out, device=ns.device, compile=ns.compile)
     return 0
 
 
@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="nsa,dense", help="comma-separated: nsa, dense")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps (median reported)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (no CUDA graphs; for a functional check)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each model's decode step (fuses small kernels)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")
     p.set_defaults(func=_cmd_bench_decode)
     return parser

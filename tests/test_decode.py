@@ -294,3 +294,20 @@ def test_nsa_generate_user_errors_are_one_line_with_exit_code_2(run_dir, args, m
 def test_empty_prompts_are_refused():
     with pytest.raises(UserError, match="at least one token"):
         generate(tiny_model(), [], 3)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_the_compiled_decode_step_gives_the_eager_steps_logits(attention):
+    from nsa.inference import compiled_decode_step
+
+    model = tiny_model(attention).float()
+    tokens = tokens_for(2, 40)
+    caches = [new_cache(model, 2, 40) for _ in range(2)]
+    for cache in caches:
+        prefill(model, tokens[:, :30], cache)
+    step = compiled_decode_step(model)
+    for t in range(30, 40):  # crosses compressed emissions and a selection-block edge
+        want = decode_step(model, tokens[:, t], caches[0])
+        got = step(tokens[:, t], caches[1])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(caches[0].lengths, caches[1].lengths) and caches[1].longest == 40

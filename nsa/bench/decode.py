@@ -19,7 +19,7 @@ from ..config import load_config
 from ..errors import UserError
 from ..inference.attention import decode_attention, dense_decode_attention
 from ..inference.cache import new_cache
-from ..inference.decode import decode_step, prefill
+from ..inference.decode import compiled_decode_step, decode_step, prefill
 from ..model import Transformer
 from .common import environment, format_table, write_results
 
@@ -76,9 +76,11 @@ def _layer_attention_ms(model: Transformer, cache, batch: int, reps: int, cuda: 
 
 
 @torch.no_grad()
-def measure(cfg, attention: str, context: int, batch: int, steps: int, device: torch.device) -> dict:
+def measure(cfg, attention: str, context: int, batch: int, steps: int, device: torch.device,
+            compile: bool = False) -> dict:
     model_cfg = dataclasses.replace(cfg.model, attention=attention)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch._dynamo.reset()  # a fresh compile per model, not guard failures piling up against the cache limit
     torch.manual_seed(0)
     model = Transformer(model_cfg).to(device=device, dtype=dtype).eval()
     cache = new_cache(model, batch, context + steps + 4)
@@ -86,10 +88,11 @@ def measure(cfg, attention: str, context: int, batch: int, steps: int, device: t
     prefill(model, prompt, cache)
     token = torch.zeros(batch, dtype=torch.long, device=device)
     cuda = device.type == "cuda"
-    step_ms = _median_ms(_graphed(lambda: decode_step(model, token, cache), cuda), steps, cuda)
+    step = compiled_decode_step(model) if compile else lambda tok, c: decode_step(model, tok, c)
+    step_ms = _median_ms(_graphed(lambda: step(token, cache), cuda), steps, cuda)
     reads = cache.layers[0].reads.float().mean().item() if hasattr(cache.layers[0], "reads") else None
     attn_ms = _layer_attention_ms(model, cache, batch, steps, cuda)
-    row = {"attention": attention, "context": context, "batch": batch, "step_ms": step_ms,
+    row = {"attention": attention, "compiled": compile, "context": context, "batch": batch, "step_ms": step_ms,
            "tokens_per_s": batch / step_ms * 1e3, "layer_attention_ms": attn_ms, "reads_per_group": reads}
     del model, cache
     if cuda:
@@ -98,24 +101,25 @@ def measure(cfg, attention: str, context: int, batch: int, steps: int, device: t
 
 
 def run(config: str | None, overrides: list[str], contexts: list[int], batches: list[int], attentions: list[str],
-        steps: int, out_dir: str, device: str = "cuda") -> list[dict]:
+        steps: int, out_dir: str, device: str = "cuda", compile: bool = False) -> list[dict]:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("nsa bench decode needs a CUDA GPU (or --device cpu for a slow functional run)")
     cfg = load_config(config, overrides)
     if cfg.model.vocab_size < 1:
         raise UserError("set model.vocab_size (e.g. 50304) for the benchmark's random-weight model")
-    rows = [measure(cfg, a, T, b, steps, dev) for b in batches for T in contexts for a in attentions]
+    rows = [measure(cfg, a, T, b, steps, dev, compile) for b in batches for T in contexts for a in attentions]
     for row in rows:
         dense = next((r for r in rows if r["attention"] == "dense" and r["context"] == row["context"]
                       and r["batch"] == row["batch"]), None)
         row["speedup"] = dense["step_ms"] / row["step_ms"] if dense else None
         row["attention_speedup"] = dense["layer_attention_ms"] / row["layer_attention_ms"] if dense else None
     meta = environment() | {"config": config or "defaults", "overrides": overrides, "steps": steps,
-                            "dtype": "bf16" if dev.type == "cuda" else "fp32", "cuda_graphs": dev.type == "cuda"}
+                            "dtype": "bf16" if dev.type == "cuda" else "fp32", "cuda_graphs": dev.type == "cuda",
+                            "compiled": compile}
     print(f"{meta['device']}  torch {meta['torch']}")
-    print(format_table(rows, ["attention", "context", "batch", "step_ms", "tokens_per_s", "speedup",
+    print(format_table(rows, ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup",
                               "layer_attention_ms", "attention_speedup", "reads_per_group"]))
-    paths = write_results(rows, out_dir, "decode", meta)
+    paths = write_results(rows, out_dir, "decode_compiled" if compile else "decode", meta)
     print("wrote " + ", ".join(map(str, paths)))
     return rows

@@ -2,13 +2,14 @@
 
 from .attention import decode_attention, dense_decode_attention
 from .cache import DecodeCache, DenseLayerCache, NSALayerCache, new_cache
-from .decode import decode_step, prefill
+from .decode import compiled_decode_step, decode_step, prefill
 from .generate import generate, generate_text, load_for_inference
 
 __all__ = [
     "DecodeCache",
     "DenseLayerCache",
     "NSALayerCache",
+    "compiled_decode_step",
     "decode_attention",
     "decode_step",
     "dense_decode_attention",

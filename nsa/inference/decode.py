@@ -7,6 +7,8 @@ decoded token's logits equal the full forward's at its position (tests/test_deco
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -72,11 +74,10 @@ def _dense_step(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, positions)
     return attn.wo(o.flatten(1))[:, None]
 
 
-def _run_blocks(model: nn.Module, x, cos, sin, cache: DecodeCache, where, step: bool) -> torch.Tensor:
+def _prefill_blocks(model: nn.Module, x, cos, sin, cache: DecodeCache, lengths) -> torch.Tensor:
     for block, layer_cache in zip(model.layers, cache.layers):
-        nsa = isinstance(block.attn, NSAAttention)
-        fn = (_nsa_step if nsa else _dense_step) if step else (_nsa_prefill if nsa else _dense_prefill)
-        x = x + fn(block.attn, block.attn_norm(x), cos, sin, layer_cache, where)
+        fill = _nsa_prefill if isinstance(block.attn, NSAAttention) else _dense_prefill
+        x = x + fill(block.attn, block.attn_norm(x), cos, sin, layer_cache, lengths)
         x = x + block.mlp(block.mlp_norm(x))
     return x
 
@@ -97,11 +98,31 @@ def prefill(model: nn.Module, tokens: torch.Tensor, cache: DecodeCache,
     if lengths.min() < 1 or lengths.max() > t:
         raise ValueError(f"prompt lengths must lie in 1..{t}, got {lengths.tolist()}")
     cos, sin = model.rope(torch.arange(t, device=tokens.device))
-    x = _run_blocks(model, model.tok_emb(tokens), cos, sin, cache, lengths, step=False)
+    x = _prefill_blocks(model, model.tok_emb(tokens), cos, sin, cache, lengths)
     cache.lengths.copy_(lengths)
     cache.longest = int(lengths.max())
     last = x[torch.arange(b, device=x.device), lengths - 1]
     return model.lm_head(model.norm(last))
+
+
+def _step_logits(model: nn.Module, token: torch.Tensor, layers: list, positions: torch.Tensor) -> torch.Tensor:
+    """The device work of one decode step (no host state), so that it can be compiled as a whole."""
+    cos, sin = model.rope(positions[:, None])  # [B,1,1,D/2]: each sequence at its own position
+    x = model.tok_emb(token.view(-1, 1))
+    for block, layer_cache in zip(model.layers, layers):
+        step = _nsa_step if isinstance(block.attn, NSAAttention) else _dense_step
+        x = x + step(block.attn, block.attn_norm(x), cos, sin, layer_cache, positions)
+        x = x + block.mlp(block.mlp_norm(x))
+    return model.lm_head(model.norm(x[:, 0]))
+
+
+def _advance(cache: DecodeCache, step_logits: Callable, model: nn.Module, token: torch.Tensor) -> torch.Tensor:
+    if cache.longest >= cache.max_len:
+        raise ValueError(f"the decode cache is full ({cache.max_len} tokens); allocate a larger max_len")
+    logits = step_logits(model, token, cache.layers, cache.lengths)
+    cache.lengths += 1
+    cache.longest += 1
+    return logits
 
 
 @torch.no_grad()
@@ -109,13 +130,19 @@ def decode_step(model: nn.Module, token: torch.Tensor, cache: DecodeCache) -> to
     """Append token [B] (one per sequence) at each sequence's next position; return its logits [B,V].
 
     Captured in a CUDA graph, a replay advances the cache on the device only: the host-side
-    overflow check below does not run, so keep replays within the cache's max_len.
+    overflow check does not run, so keep replays within the cache's max_len.
     """
-    if cache.longest >= cache.max_len:
-        raise ValueError(f"the decode cache is full ({cache.max_len} tokens); allocate a larger max_len")
-    positions = cache.lengths
-    cos, sin = model.rope(positions[:, None])  # [B,1,1,D/2]: each sequence at its own position
-    x = _run_blocks(model, model.tok_emb(token.view(-1, 1)), cos, sin, cache, positions, step=True)
-    cache.lengths += 1
-    cache.longest += 1
-    return model.lm_head(model.norm(x[:, 0]))
+    return _advance(cache, _step_logits, model, token)
+
+
+def compiled_decode_step(model: nn.Module) -> Callable[[torch.Tensor, DecodeCache], torch.Tensor]:
+    """decode_step(model, ., .) with the step's device work under torch.compile: the many small kernels
+    of the projections, cache writes, compressed emission and MLPs fuse (the attention kernels stay as
+    they are). Same results; the first call compiles."""
+    body = torch.compile(_step_logits, dynamic=False)
+
+    @torch.no_grad()
+    def step(token: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+        return _advance(cache, body, model, token)
+
+    return step
