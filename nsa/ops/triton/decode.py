@@ -50,7 +50,7 @@ def _chunk_kernel(
     ci_ok = (ci_local < chunk_tokens) & (ci < nc)
     off = ci.to(tl.int64) * sct
     base = b * scb + g * scg
-    s = tl.dot(q, tl.trans(load_tile(KC + base, off, dk, ci_ok, DK))) * scale_log2
+    s = (tl.dot(q, tl.trans(load_tile(KC + base, off, dk, ci_ok, DK))) * scale_log2).to(tl.float32)
     s = tl.where(ci_ok[None, :] & row_ok[:, None], s, float("-inf"))
     m = tl.max(s, 1)
     p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
@@ -61,7 +61,8 @@ def _chunk_kernel(
     starts = (ci * block_stride)[:, None]
     w_cur = tl.where(ci_ok[:, None], _overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
     w_nxt = tl.where(ci_ok[:, None], _overlap(starts, (j0 + K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
-    # Exact fp32 products: the ranking must match the reference's.
+    # Exact fp32 products: the ranking must match the reference's. (Scores are cast to fp32 above:
+    # under torch.compile a Python float argument arrives as fp64.)
     sc_cur = tl.dot(p, w_cur, input_precision="ieee")
     sc_nxt = tl.dot(p, w_nxt, input_precision="ieee")
 
@@ -173,7 +174,7 @@ def _span_kernel(
     tok = start + tl.arange(0, BLOCK_N)
     ok = (tok < stop) & (tok <= t)
     off = tok.to(tl.int64) * stride
-    s = tl.dot(q, tl.trans(load_tile(kp, off, dk, ok, DK))) * scale_log2
+    s = (tl.dot(q, tl.trans(load_tile(kp, off, dk, ok, DK))) * scale_log2).to(tl.float32)
     s = tl.where(ok[None, :] & row_ok[:, None], s, float("-inf"))
     m = tl.max(s, 1)
     p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
