@@ -128,6 +128,53 @@ def test_ranks_with_different_configs_fail_fast(tmp_path):
     assert "ranks disagree on the config: rank 1 differs from rank 0 in train.lr" in proc.stderr
 
 
+def test_a_halt_file_stops_both_ranks_at_the_same_step_with_a_checkpoint(tmp_path):
+    from nsa.train.stop import LAG
+
+    run = tmp_path / "halt"
+    run.mkdir()
+    (run / "HALT").touch()  # present from the start: both ranks see it at step 1
+    proc = torchrun([*TINY, f"train.out_dir={tmp_path}", "train.run_name=halt", "train.batch_size=2",
+                     "parallel.mode=fsdp"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (run / "HALT").exists() and "stopped at step 3 because" in proc.stdout
+    assert (run / "checkpoints" / f"step_{1 + LAG:08d}" / "COMPLETE.json").is_file()
+    for rank in (0, 1):
+        events = read_events(run / f"heartbeat_rank{rank}.jsonl")
+        halts = [e for e in events if e["event"] == "halt"]
+        assert len(halts) == 1 and halts[0]["step"] == 1 + LAG and halts[0]["reason"] == "HALT file", (rank, events)
+
+
+def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    # Rank 1 alone sees a NaN loss at its 4th forward; the agreement must stop rank 0 too, at the same step.
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import os, sys\n"
+        "from nsa.cli import main\n"
+        "from nsa.model import Transformer\n"
+        "real, calls = Transformer.forward, [0]\n"
+        "def poisoned(self, tokens, targets=None):\n"
+        "    out = real(self, tokens, targets)\n"
+        "    if targets is not None and self.training:\n"
+        "        calls[0] += 1\n"
+        "        if os.environ['RANK'] == '1' and calls[0] == 4:\n"
+        "            out = out * float('nan')\n"
+        "    return out\n"
+        "Transformer.forward = poisoned\n"
+        f"sys.exit(main(['train', *{TINY!r}, 'train.out_dir={tmp_path}', 'train.run_name=nan', "
+        "'train.batch_size=2', 'parallel.mode=ddp', 'train.log_every=100', 'train.eval_every=0']))\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.count("non-finite at step 4; stopped at step 6") == 2, proc.stderr[-3000:]
+    assert (tmp_path / "nan" / "checkpoints" / "halt_00000006" / "COMPLETE.json").is_file()
+    for rank in (0, 1):
+        halts = [e for e in read_events(tmp_path / "nan" / f"heartbeat_rank{rank}.jsonl") if e["event"] == "halt"]
+        assert [(h["step"], h["bad_step"]) for h in halts] == [(6, 4)], rank
+
+
 def test_ddp_without_several_processes_names_the_launch_command(capsys, tmp_path):
     assert main(["train", *TINY, f"train.out_dir={tmp_path}", "parallel.mode=fsdp"]) == 2
     err = capsys.readouterr().err
