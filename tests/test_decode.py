@@ -311,3 +311,18 @@ def test_the_compiled_decode_step_gives_the_eager_steps_logits(attention):
         got = step(tokens[:, t], caches[1])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(caches[0].lengths, caches[1].lengths) and caches[1].longest == 40
+
+
+def test_bench_decode_runs_on_cpu_and_reports_the_reads(tmp_path, capsys):
+    import csv
+
+    args = ["bench", "decode", "model.n_layers=1", "model.dim=64", "model.mlp_hidden=64", "model.vocab_size=97",
+            "--contexts", "300", "--batches", "2", "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(args) == 0
+    rows = {r["attention"]: r for r in csv.DictReader(open(tmp_path / "decode.csv"))}
+    assert float(rows["dense"]["speedup"]) == 1.0 and float(rows["nsa"]["step_ms"]) > 0
+    # After prefill (300 tokens) and 2 warm-free timed steps, the last step sat at t = 301 (M7C's NSA
+    # geometry): Nc = (302 - 32) // 16 + 1 = 17 compressed tokens, all 302 tokens in the 5 chosen blocks
+    # (16 allowed), and a 302-token window.
+    assert float(rows["nsa"]["reads_per_group"]) == 17 + 302 + 302
+    assert float(rows["dense"]["reads_per_group"]) == 302

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops import reference
 from .cache import DenseLayerCache, NSALayerCache
 
 
@@ -55,28 +56,6 @@ def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return x[rows[:, None], idx].transpose(1, 2)
     groups = torch.arange(x.shape[2], device=x.device)
     return x[rows[:, None, None], idx, groups[None, :, None]]
-
-
-def top_n_for_query(scores: torch.Tensor, positions: torch.Tensor, *, sel_block: int, n_sel: int) -> torch.Tensor:
-    """Indices [B,G,n] (ascending, -1 padded) for scores [B,G,Ns] of the queries at positions [B].
-
-    reference.top_n_blocks for one query per sequence: candidates j*l' <= t; block 0, the
-    block of t and the one before it forced; then the highest scores, ties to the lower j.
-    """
-    num_sel = scores.shape[-1]
-    j = torch.arange(num_sel, device=scores.device)
-    j_t = (positions // sel_block)[:, None, None]
-    candidate = j <= j_t
-    forced = (j == 0) | (j == j_t) | (j == j_t - 1)
-    key = torch.where(forced, torch.inf, scores)
-    key = torch.where(candidate, key, -torch.inf)
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :n_sel]
-    chosen = torch.where(torch.gather(candidate.expand_as(key), -1, order), order, num_sel)
-    chosen = chosen.sort(dim=-1).values
-    chosen = torch.where(chosen == num_sel, -1, chosen)
-    if chosen.shape[-1] < n_sel:
-        chosen = F.pad(chosen, (0, n_sel - chosen.shape[-1]), value=-1)
-    return chosen
 
 
 def _selection_scores(p_cmp: torch.Tensor, cache: NSALayerCache, num_sel: int) -> torch.Tensor:
@@ -157,7 +136,8 @@ def decode_attention(
 
     p_cmp, o_cmp, cmp_valid = _compressed(qg, cache, scale)
     num_sel = -(-cache.k.shape[2] // sel_block)
-    chosen = top_n_for_query(_selection_scores(p_cmp, cache, num_sel), t, sel_block=sel_block, n_sel=n_sel)
+    chosen = reference.top_n_blocks(_selection_scores(p_cmp, cache, num_sel), sel_block=sel_block, n_sel=n_sel,
+                                    positions=t[:, None, None])
     cache.selected.copy_(chosen)
     o_sel, sel_valid = _selected(qg, cache, chosen, t, sel_block, scale)
     o_win, win_valid = _window(qg, cache, t, window, scale)

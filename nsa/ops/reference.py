@@ -157,16 +157,20 @@ def selection_scores(
     return _over_query_chunks(chunk, q.to(dtype))
 
 
-def top_n_blocks(scores: torch.Tensor, *, sel_block: int, n_sel: int) -> torch.Tensor:
+def top_n_blocks(scores: torch.Tensor, *, sel_block: int, n_sel: int,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
     """Indices [B,T,G,n] (int64, ascending, unused slots -1) from scores [B,T,G,Ns].
 
     Candidates for query t are blocks j with j*l' <= t. Block 0, the block holding t
     and the one before it are always taken; the remaining places go to the highest
     scores, ties to the lower j (a stable descending sort keeps j order among equals).
+    `positions` (broadcastable to scores[..., :1]) gives each row's t; by default row i of
+    dimension 1 is position i. Decoding passes one position per sequence.
     """
-    seq_len, num_sel = scores.shape[1], scores.shape[-1]
+    num_sel = scores.shape[-1]
     device = scores.device
-    t = torch.arange(seq_len, device=device)[:, None, None]  # [T,1,1] broadcasts over G, Ns
+    # [T,1,1] broadcasts over G, Ns
+    t = torch.arange(scores.shape[1], device=device)[:, None, None] if positions is None else positions
     j = torch.arange(num_sel, device=device)
     j_t = t // sel_block
     candidate = j <= j_t
