@@ -397,7 +397,8 @@ class Trainer:
             self._print(f"done: step {self.step} in {time.perf_counter() - start:.0f}s, loss {result.first_loss:.4f} "
                         f"-> {result.last_loss:.4f}{val_msg}")
         self.log.event("done", self.step, path=str(result.checkpoint), halted=halted is not None)
-        self._print(f"checkpoint: {result.checkpoint}\nmetrics: {self.run_dir / 'metrics.csv'}")
+        self._print(f"checkpoint: {result.checkpoint}\nmetrics: {self.run_dir / 'metrics.csv'}\n"
+                    f"plots and a summary: nsa report {self.run_dir}")
         return result
 
 
