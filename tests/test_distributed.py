@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,32 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
     for rank in (0, 1):
         halts = [e for e in read_events(tmp_path / "nan" / f"heartbeat_rank{rank}.jsonl") if e["event"] == "halt"]
         assert [(h["step"], h["bad_step"]) for h in halts] == [(6, 4)], rank
+
+
+def test_an_error_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
+    # Rank 1 fails mid-run while rank 0 waits in a gradient all-reduce: the job must end within
+    # seconds, not after the collective timeout (300 s here), with rank 1's error on screen.
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import os, sys\n"
+        "from nsa.cli import main\n"
+        "from nsa.model import Transformer\n"
+        "real, calls = Transformer.forward, [0]\n"
+        "def failing(self, tokens, targets=None):\n"
+        "    calls[0] += 1\n"
+        "    if os.environ['RANK'] == '1' and calls[0] == 3:\n"
+        "        raise RuntimeError('rank 1 broke on purpose')\n"
+        "    return real(self, tokens, targets)\n"
+        "Transformer.forward = failing\n"
+        f"sys.exit(main(['train', *{TINY!r}, 'train.out_dir={tmp_path}', 'train.run_name=fail', "
+        "'train.batch_size=2', 'parallel.mode=ddp', 'parallel.timeout_s=300']))\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode != 0 and "rank 1 broke on purpose" in proc.stderr
+    assert time.monotonic() - start < 120, "the job waited for the collective timeout"
 
 
 def test_ddp_without_several_processes_names_the_launch_command(capsys, tmp_path):

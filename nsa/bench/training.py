@@ -120,6 +120,7 @@ def run(config: str | None, overrides: list[str], seq_lens: list[int], attention
     if not torch.cuda.is_available():
         raise UserError("nsa bench train needs a CUDA GPU")
     info = init_distributed("auto", 600.0, allow_single_process=True)
+    finished = False
     try:
         rows = [measure(config, overrides, a, T, batch_tokens, steps, warmup, info, out_dir if profile else None)
                 for T in seq_lens for a in attentions]
@@ -134,6 +135,7 @@ def run(config: str | None, overrides: list[str], seq_lens: list[int], attention
                                       "vs_dense", "mfu", "peak_mem_gb", "step_ms", "health_ms", "health_cost"]))
             paths = write_results(rows, out_dir, f"train_{info.world_size}rank", meta)
             print("wrote " + ", ".join(map(str, paths)))
+        finished = True
         return rows
     finally:
-        shutdown(info)
+        shutdown(info, finished)

@@ -128,9 +128,14 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def shutdown(info: DistInfo) -> None:
-    # A barrier before destroying the group: without it ranks that finish early abort the others' exit.
-    if info.distributed and dist.is_initialized():
+def shutdown(info: DistInfo, finished: bool = True) -> None:
+    """Leave the process group. After a normal finish, wait for every rank first (a rank that leaves
+    early would abort the others' last collectives). After an error, leave at once: the other ranks may
+    be inside a collective this one will never join, and waiting would hang until the timeout; this
+    rank's non-zero exit makes torchrun stop them."""
+    if not (info.distributed and dist.is_initialized()):
+        return
+    if finished:
         try:
             dist.barrier()
         finally:

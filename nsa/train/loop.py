@@ -82,8 +82,8 @@ def _run_dir(cfg: RunConfig, info: DistInfo) -> Path:
         dist.broadcast_object_list(shared, src=0)
         name = shared[0]
     run_dir = Path(cfg.train.out_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)  # every rank: each writes its own files here at once
     if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         with open(run_dir / "config.yaml", "w", encoding="utf-8") as f:
             yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
     return run_dir
@@ -405,10 +405,13 @@ class Trainer:
 def train(cfg: RunConfig) -> TrainResult:
     """Train as configured: single process, or one process per GPU under torchrun (DDP or FSDP2)."""
     info = init_distributed(cfg.train.device, cfg.parallel.timeout_s, cfg.parallel.allow_single_process)
+    finished = False
     try:
-        return Trainer(cfg, info).run()
+        result = Trainer(cfg, info).run()
+        finished = True
+        return result
     finally:
-        shutdown(info)
+        shutdown(info, finished)
 
 
 def generate_text(model, tokenizer, prompt: str, n_tokens: int, context: int, device, seed: int) -> str:
