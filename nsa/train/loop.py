@@ -316,13 +316,7 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg, t, info = self.cfg, self.cfg.train, self.info
         resumed = self.resume()
-        self._print(
-            f"nsa train: {cfg.model.attention} model, {self.n_params / 1e6:.2f}M parameters, {cfg.model.n_layers} "
-            f"layers, dim {cfg.model.dim}, {cfg.model.n_heads}/{cfg.model.n_kv_heads} heads; {self.mode} on "
-            f"{info.world_size} process(es), {info.device.type}"
-        )
-        self._print(f"data: {self.data.description}; {self.tokens_per_step:,} tokens per step")
-        self._print(f"run dir: {self.run_dir}" + (f" (resumed from {resumed})" if resumed else ""))
+        self._banner(resumed)
         self._open_log(resumed)
         bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True, file=sys.stdout,
                    disable=not (t.progress and info.is_main))
@@ -348,9 +342,7 @@ class Trainer:
                     row = self._log_step(step, loss, norm, window, start, bar, evaluate=do_eval and not stop,
                                          is_last=is_last or stop)
                     window = (time.perf_counter(), step)
-                    result.losses[step] = result.last_loss = row["loss"]
-                    result.first_loss = row["loss"] if result.first_loss is None else result.first_loss
-                    result.val_loss = row["val_loss"] if row["val_loss"] is not None else result.val_loss
+                    _remember(result, row)
                 if stop:
                     halted = self._halt_requested()
                     break
@@ -376,6 +368,16 @@ class Trainer:
         finally:
             self.log.close()
 
+    def _banner(self, resumed: Path | None) -> None:
+        cfg, info = self.cfg, self.info
+        self._print(
+            f"nsa train: {cfg.model.attention} model, {self.n_params / 1e6:.2f}M parameters, {cfg.model.n_layers} "
+            f"layers, dim {cfg.model.dim}, {cfg.model.n_heads}/{cfg.model.n_kv_heads} heads; {self.mode} on "
+            f"{info.world_size} process(es), {info.device.type}"
+        )
+        self._print(f"data: {self.data.description}; {self.tokens_per_step:,} tokens per step")
+        self._print(f"run dir: {self.run_dir}" + (f" (resumed from {resumed})" if resumed else ""))
+
     def _evaluate_and_log(self, step: int, bar: tqdm) -> float | None:
         val_loss = self.evaluate()
         if val_loss is not None:
@@ -400,6 +402,12 @@ class Trainer:
         self._print(f"checkpoint: {result.checkpoint}\nmetrics: {self.run_dir / 'metrics.csv'}\n"
                     f"plots and a summary: nsa report {self.run_dir}")
         return result
+
+
+def _remember(result: TrainResult, row: dict) -> None:
+    result.losses[row["step"]] = result.last_loss = row["loss"]
+    result.first_loss = row["loss"] if result.first_loss is None else result.first_loss
+    result.val_loss = row["val_loss"] if row["val_loss"] is not None else result.val_loss
 
 
 def train(cfg: RunConfig) -> TrainResult:
