@@ -8,41 +8,31 @@ the training thread is stuck.
 from __future__ import annotations
 
 import json
-import queue
-import threading
 import time
 from pathlib import Path
 
-_STOP = object()
+from .async_writer import AsyncWriter
 
 
 class Heartbeat:
-    def __init__(self, path: Path, rank: int):
+    def __init__(self, path: Path, rank: int, writer: AsyncWriter | None = None):
         self.path, self.rank = path, rank
         self.last_event: dict | None = None
-        self._queue: queue.Queue = queue.Queue()
+        self._own_writer = writer is None
+        self._writer = writer or AsyncWriter(f"heartbeat-rank{rank}")
         self._file = open(path, "a", encoding="utf-8")
-        self._thread = threading.Thread(target=self._write_loop, name=f"heartbeat-rank{rank}", daemon=True)
-        self._thread.start()
 
     def event(self, name: str, step: int, **fields) -> None:
         record = {"time": round(time.time(), 3), "event": name, "rank": self.rank, "step": step}
         record.update({k: v for k, v in fields.items() if v is not None})
         self.last_event = record
-        self._queue.put(record)
-
-    def _write_loop(self) -> None:
-        while (record := self._queue.get()) is not _STOP:
-            self._file.write(json.dumps(record, default=_plain) + "\n")
-            if self._queue.empty():
-                self._file.flush()
-        self._file.flush()
+        line = json.dumps(record, default=_plain) + "\n"
+        self._writer.submit(lambda: (self._file.write(line), self._file.flush()))
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join(timeout=10)
-        self._file.close()
+        self._writer.submit(self._file.close)
+        if self._own_writer:
+            self._writer.close()
 
 
 def _plain(value):

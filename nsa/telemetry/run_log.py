@@ -2,7 +2,8 @@
 
 Rank 0: metrics.csv, nsa_stats.jsonl, env.json and TensorBoard scalars (tb/). Every rank:
 heartbeat_rank{r}.jsonl. On resume, rows logged after the checkpoint's step are dropped, so the
-files continue exactly where the checkpoint left off.
+files continue exactly where the checkpoint left off. Rows are written by a background thread
+(TensorBoard has its own), never by the training thread.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import csv
 import json
 from pathlib import Path
 
+from .async_writer import AsyncWriter
 from .environment import run_environment
 from .heartbeat import Heartbeat
 from .metrics import MetricsCSV
@@ -25,7 +27,8 @@ class RunLog:
     def __init__(self, run_dir: Path, rank: int, is_main: bool, config: dict, world_size: int, resumed_step: int,
                  tensorboard: bool):
         self.run_dir, self.is_main = run_dir, is_main
-        self.heartbeat = Heartbeat(run_dir / f"heartbeat_rank{rank}.jsonl", rank)
+        self.writer = AsyncWriter(f"run-log-rank{rank}")
+        self.heartbeat = Heartbeat(run_dir / f"heartbeat_rank{rank}.jsonl", rank, self.writer)
         self.metrics = self.stats = self.tb = None
         if not is_main:
             return
@@ -45,7 +48,7 @@ class RunLog:
         """A logging step: the global row (rank 0 files) and this rank's own numbers (heartbeat)."""
         self.heartbeat.event("step", row["step"], loss=row["loss"], **local)
         if self.metrics:
-            self.metrics.write(row)
+            self.writer.submit(lambda: self.metrics.write(row))
         if self.tb:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mem_gb", "data_wait"):
                 if row.get(key) is not None:
@@ -58,8 +61,8 @@ class RunLog:
 
     def health(self, step: int, record: dict) -> None:
         if self.stats:
-            self.stats.write(json.dumps({"step": step, **record}) + "\n")
-            self.stats.flush()
+            line = json.dumps({"step": step, **record}) + "\n"
+            self.writer.submit(lambda: (self.stats.write(line), self.stats.flush()))
         if self.tb:
             for layer in record["layers"]:
                 i = layer["layer"]
@@ -68,10 +71,14 @@ class RunLog:
                 self.tb.add_scalar(f"selection/layer{i}_distance", layer["sel_distance_mean"], step)
 
     def close(self) -> None:
+        """Write everything still queued and close the files (safe to call twice)."""
         self.heartbeat.close()
-        for f in (self.metrics, self.stats, self.tb):
+        for f in (self.metrics, self.stats):
             if f is not None:
-                f.close()
+                self.writer.submit(f.close)
+        self.writer.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def _continue_csv(path: Path, resumed_step: int) -> MetricsCSV:
