@@ -14,8 +14,7 @@ import torch
 
 from nsa.cli import main
 from nsa.errors import UserError
-from nsa.telemetry.heartbeat import read_events
-from nsa.telemetry.report import render_report
+from nsa.telemetry.report import read_jsonl as read_events, render_report
 
 TINY = [
     "model.n_layers=2", "model.dim=64", "model.head_dim=16", "model.mlp_hidden=128", "train.seq_len=64",
@@ -29,11 +28,26 @@ def losses(run_dir: Path) -> dict[int, tuple[float, str]]:
         return {int(r["step"]): (float(r["loss"]), r["val_loss"]) for r in csv.DictReader(f)}
 
 
-def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+def _launch(target: list[str], timeout: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "nsa", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *target]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=2 -m nsa train ARGS`."""
+    return _launch(["-m", "nsa", "train", *args], timeout=600)
+
+
+def torchrun_script(tmp_path: Path, prelude: str, args_expr: str, timeout: int = 300):
+    """Two ranks that run `prelude` (Python that may patch the model per rank), then `nsa train` with TINY
+    and the overrides the Python expression `args_expr` gives (it may depend on the rank)."""
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import os, sys\nfrom nsa.cli import main\nfrom nsa.model import Transformer\n" + prelude
+        + f"sys.exit(main(['train', *{TINY!r}, 'train.out_dir={tmp_path}', *{args_expr}]))\n"
+    )
+    return _launch([str(script)], timeout)
 
 
 @pytest.fixture(scope="module")
@@ -115,16 +129,8 @@ def test_two_rank_run_stopped_and_resumed_continues_the_loss_curve_exactly(tmp_p
 
 
 def test_ranks_with_different_configs_fail_fast(tmp_path):
-    # torchrun gives every rank the same arguments; a config file that differs per rank mimics a broken launch.
-    script = tmp_path / "launch.py"
-    script.write_text(
-        "import os, sys\n"
-        "from nsa.cli import main\n"
-        f"sys.exit(main(['train', *{TINY!r}, 'train.out_dir={tmp_path}', 'train.lr=' + str(1e-3 * (1 + int(os.environ['RANK'])))]))\n"
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], capture_output=True, text=True, env=env, timeout=300)
+    # torchrun gives every rank the same arguments; a learning rate that differs per rank mimics a broken launch.
+    proc = torchrun_script(tmp_path, "", "['train.lr=' + str(1e-3 * (1 + int(os.environ['RANK'])))]")
     assert proc.returncode != 0
     assert "ranks disagree on the config: rank 1 differs from rank 0 in train.lr" in proc.stderr
 
@@ -148,11 +154,7 @@ def test_a_halt_file_stops_both_ranks_at_the_same_step_with_a_checkpoint(tmp_pat
 
 def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     # Rank 1 alone sees a NaN loss at its 4th forward; the agreement must stop rank 0 too, at the same step.
-    script = tmp_path / "launch.py"
-    script.write_text(
-        "import os, sys\n"
-        "from nsa.cli import main\n"
-        "from nsa.model import Transformer\n"
+    prelude = (
         "real, calls = Transformer.forward, [0]\n"
         "def poisoned(self, tokens, targets=None):\n"
         "    out = real(self, tokens, targets)\n"
@@ -162,12 +164,9 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
         "            out = out * float('nan')\n"
         "    return out\n"
         "Transformer.forward = poisoned\n"
-        f"sys.exit(main(['train', *{TINY!r}, 'train.out_dir={tmp_path}', 'train.run_name=nan', "
-        "'train.batch_size=2', 'parallel.mode=ddp', 'train.log_every=100', 'train.eval_every=0']))\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], capture_output=True, text=True, env=env, timeout=300)
+    proc = torchrun_script(tmp_path, prelude, "['train.run_name=nan', 'train.batch_size=2', 'parallel.mode=ddp', "
+                                              "'train.log_every=100', 'train.eval_every=0']")
     assert proc.returncode != 0
     assert proc.stderr.count("non-finite at step 4; stopped at step 6") == 2, proc.stderr[-3000:]
     assert (tmp_path / "nan" / "checkpoints" / "halt_00000006" / "COMPLETE.json").is_file()
@@ -179,11 +178,7 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
 def test_an_error_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
     # Rank 1 fails mid-run while rank 0 waits in a gradient all-reduce: the job must end within
     # seconds, not after the collective timeout (300 s here), with rank 1's error on screen.
-    script = tmp_path / "launch.py"
-    script.write_text(
-        "import os, sys\n"
-        "from nsa.cli import main\n"
-        "from nsa.model import Transformer\n"
+    prelude = (
         "real, calls = Transformer.forward, [0]\n"
         "def failing(self, tokens, targets=None):\n"
         "    calls[0] += 1\n"
@@ -191,13 +186,10 @@ def test_an_error_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
         "        raise RuntimeError('rank 1 broke on purpose')\n"
         "    return real(self, tokens, targets)\n"
         "Transformer.forward = failing\n"
-        f"sys.exit(main(['train', *{TINY!r}, 'train.out_dir={tmp_path}', 'train.run_name=fail', "
-        "'train.batch_size=2', 'parallel.mode=ddp', 'parallel.timeout_s=300']))\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], capture_output=True, text=True, env=env, timeout=240)
+    proc = torchrun_script(tmp_path, prelude, "['train.run_name=fail', 'train.batch_size=2', 'parallel.mode=ddp', "
+                                              "'parallel.timeout_s=300']", timeout=240)
     assert proc.returncode != 0 and "rank 1 broke on purpose" in proc.stderr
     assert time.monotonic() - start < 120, "the job waited for the collective timeout"
 

@@ -13,7 +13,8 @@ import torch
 
 from nsa.config import load_config
 from nsa.telemetry.gate_watch import GateWatch
-from nsa.telemetry.heartbeat import Heartbeat, read_events
+from nsa.telemetry.heartbeat import Heartbeat
+from nsa.telemetry.report import read_jsonl as read_events
 from nsa.telemetry.report import render_report
 from nsa.telemetry.watchdog import Watchdog
 from nsa.train import checkpoint

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -51,8 +52,6 @@ def _median_ms(fn: Callable[[], object], reps: int, cuda: bool) -> float:
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
-            import time
-
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)

@@ -39,13 +39,3 @@ def _plain(value):
     """JSON for tensors and numpy scalars that slipped into a record."""
     return value.item() if hasattr(value, "item") else str(value)
 
-
-def read_events(path: Path) -> list[dict]:
-    """The events of a heartbeat file (a partly written last line is skipped)."""
-    events = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
