@@ -116,7 +116,7 @@ def _cmd_bench_attention(ns: argparse.Namespace) -> int:
 
     attention.run(
         shapes=ns.shapes.split(","), lengths=ns.lengths, out_dir=ns.out, backward=not ns.forward_only,
-        use_fla=not ns.no_fla, breakdown_at=ns.components, sweep_at=ns.sweep,
+        use_fla=not ns.no_fla, breakdown_at=ns.components, sweep_at=ns.sweep, batch=ns.batch,
     )
     return 0
 
@@ -219,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fla", action="store_true", help="skip fla-core's parallel_nsa")
     p.add_argument("--components", type=_int_list, default=[], metavar="T,...",
                    help="also time every forward/backward stage at these lengths")
-    p.add_argument("--sweep", type=int, default=None, metavar="T",
-                   help="also time forward+backward as each kernel launch parameter varies, at length T")
+    p.add_argument("--sweep", type=_int_list, default=[], metavar="T,...",
+                   help="also time forward+backward as each kernel launch parameter varies, at these lengths")
+    p.add_argument("--batch", type=int, default=1, help="sequences per call (the tables use 1)")
     p.set_defaults(func=_cmd_bench_attention)
 
     p = bench.add_parser(

@@ -11,7 +11,8 @@ import torch
 from helpers import NAMES, assert_same_selection, nsa_inputs
 from nsa.ops import nsa_attention, reference, select_blocks
 from nsa.ops.triton.range_attention import MODE_CMP, range_attention_fwd
-from nsa.ops.triton.selected_attention import inverse_index
+from nsa.ops.triton import tuning
+from nsa.ops.triton.selected_attention import BLOCKS, TILED, TOKEN, inverse_index, selected_path
 from nsa.ops.triton.selection import select_blocks_fwd
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,8 +24,10 @@ def inputs(*shape, dtype=torch.float32, requires_grad=False, **kw):
     return [t.to(DEVICE).requires_grad_(requires_grad) for t in ins]
 
 
-# (B, T, H, G, Dk, Dv, l, d, l', n, w): group sizes 1, 3, 6 and 16; odd T; T shorter than a block; Dk != Dv.
+# (B, T, H, G, Dk, Dv, l, d, l', n, w): group sizes 1, 3, 6 and 16; odd T; T shorter than a block; Dk != Dv;
+# T long enough for key steps that every row of a tile sees whole (the kernels skip masking those).
 CASES = [
+    (1, 203, 2, 2, 8, 8, 8, 4, 16, 4, 40),
     (1, 29, 2, 2, 8, 8, 8, 4, 8, 3, 7),
     (2, 37, 6, 2, 8, 6, 8, 4, 8, 4, 9),
     (1, 41, 6, 1, 16, 8, 8, 4, 16, 3, 9),
@@ -33,8 +36,22 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=["tiled", "gathered"])
+def sel_path(request, monkeypatch):
+    """Run the selected branch tiled (short-T path) or gathered (per-token or block-centric, by group size)."""
+    monkeypatch.setattr(tuning.TUNING, "tiled_max_blocks", 10**9 if request.param == "tiled" else 0)
+    return request.param
+
+
+def test_selected_path_is_tiled_while_blocks_are_few_then_by_group_size():
+    few = tuning.TUNING.tiled_max_blocks
+    assert selected_path(few * 64, 6, 64) == TILED
+    assert selected_path(few * 64 + 1, 6, 64) == BLOCKS
+    assert selected_path(few * 64 + 1, 16, 64) == TOKEN
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[1]}-h{c[2] // c[3]}" for c in CASES])
-def test_triton_nsa_matches_reference_forward_and_every_gradient(case):
+def test_triton_nsa_matches_reference_forward_and_every_gradient(case, sel_path):
     B, T, H, G, Dk, Dv, l, d, lp, n, w = case
     hp = dict(block_len=l, block_stride=d, sel_block=lp, n_sel=n, window=w)
     ins = inputs(B, T, H, G, Dk, Dv, block_len=l, block_stride=d, seed=T, requires_grad=True)
@@ -48,7 +65,7 @@ def test_triton_nsa_matches_reference_forward_and_every_gradient(case):
         torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
 
 
-def test_triton_nsa_in_half_precision():
+def test_triton_nsa_in_half_precision(sel_path):
     hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
     ins = inputs(1, 33, 4, 2, 16, 16, block_len=8, block_stride=4, seed=1, dtype=torch.float16, requires_grad=True)
     out = nsa_attention(*ins, **hp, backend="triton")
@@ -111,7 +128,7 @@ def test_inverse_index_lists_every_query_of_every_block_in_chunks():
 
 
 @pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
-def test_each_branch_alone_matches_the_reference(branch):
+def test_each_branch_alone_matches_the_reference(branch, sel_path):
     # One gate at 1, the others at 0: the output and every gradient come from that branch alone.
     # Block 0 is chosen by all 40 queries, so its selected-branch work is split into several items
     # (4 queries each under the interpreter) that add their dK/dV atomically.

@@ -1,6 +1,6 @@
 """`nsa bench attention`: NSA kernels against dense SDPA (flash) and fla-core's parallel_nsa.
 
-All numbers in one run on one GPU, bf16, batch 1, NSA with every branch and the gates
+All numbers in one run on one GPU, bf16, batch 1 (or --batch), NSA with every branch and the gates
 (l=32, d=16, l'=64, n=16, w=512). fla's parallel_nsa runs only where its group-size
 rule allows (h a power of two >= 16) and, without flash-attn, has no window branch.
 """
@@ -24,16 +24,17 @@ LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536, 131072]
 HP = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
 
 
-def make_inputs(T: int, H: int, G: int, Dk: int, Dv: int, seed: int = 0) -> list[torch.Tensor]:
+def make_inputs(T: int, H: int, G: int, Dk: int, Dv: int, seed: int = 0, batch: int = 1) -> list[torch.Tensor]:
     g = torch.Generator("cuda").manual_seed(seed)
     nc = num_compressed_blocks(T, HP["block_len"], HP["block_stride"])
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
-    ins = [rnd(1, T, H, Dk), rnd(1, nc, G, Dk), rnd(1, nc, G, Dv), rnd(1, T, G, Dk), rnd(1, T, G, Dv),
-           rnd(1, T, G, Dk), rnd(1, T, G, Dv),
-           torch.rand(1, T, H, 3, generator=g, device="cuda", dtype=torch.bfloat16)]
+    B = batch
+    ins = [rnd(B, T, H, Dk), rnd(B, nc, G, Dk), rnd(B, nc, G, Dv), rnd(B, T, G, Dk), rnd(B, T, G, Dv),
+           rnd(B, T, G, Dk), rnd(B, T, G, Dv),
+           torch.rand(B, T, H, 3, generator=g, device="cuda", dtype=torch.bfloat16)]
     return [t.requires_grad_() for t in ins]
 
 
@@ -101,11 +102,11 @@ def _timed(fn) -> float | None:
         return None
 
 
-def compare(shape: str, T: int, backward: bool, use_fla: bool) -> dict:
+def compare(shape: str, T: int, backward: bool, use_fla: bool, batch: int = 1) -> dict:
     H, G, Dk, Dv = SHAPES[shape]
     row = {"shape": f"{shape} {H}/{G}/{Dk}", "T": T}
     try:
-        ins = make_inputs(T, H, G, Dk, Dv)
+        ins = make_inputs(T, H, G, Dk, Dv, batch=batch)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return row
@@ -128,7 +129,7 @@ def compare(shape: str, T: int, backward: bool, use_fla: bool) -> dict:
     return row
 
 
-def components(shape: str, T: int) -> list[dict]:
+def components(shape: str, T: int, batch: int = 1) -> list[dict]:
     """Milliseconds of every stage of the NSA forward and backward at one length."""
     from ..ops.triton.gating import gate_grads
     from ..ops.triton.range_attention import MODE_CMP, MODE_WIN, range_attention_bwd, range_attention_fwd
@@ -136,7 +137,7 @@ def components(shape: str, T: int) -> list[dict]:
     from ..ops.triton.selection import select_blocks_fwd
 
     H, G, Dk, Dv = SHAPES[shape]
-    q, kc, vc, ks, vs, kw, vw, gates = (t.detach() for t in make_inputs(T, H, G, Dk, Dv))
+    q, kc, vc, ks, vs, kw, vw, gates = (t.detach() for t in make_inputs(T, H, G, Dk, Dv, batch=batch))
     scale = Dk**-0.5
     l, d, lp, n, w = (HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel", "window"))
     o_cmp, lse_cmp = range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, w)
@@ -168,24 +169,22 @@ def components(shape: str, T: int) -> list[dict]:
 
 
 SWEEP = {
+    "tiled_max_blocks": [0, 1 << 30],
+    "range_block_m": [128],
     "range_block_n": [32, 128],
-    "range_stages": [3],
-    "cmp_rows_per_split": [32768],
-    "select_warps": [8],
-    "token_warps": [2, 8],
-    "sel_block_r": [32],
-    "sel_warps": [8],
-    "inverse_chunk": [1024],
+    "range_warps": [8],
+    "range_stages": [3, 4],
+    "dkdv_programs_per_sm": [1, 16],
 }
 """Values tried for each launch parameter (the defaults are measured too)."""
 
 
-def sweep(shape: str, T: int) -> list[dict]:
+def sweep(shape: str, T: int, batch: int = 1) -> list[dict]:
     """Forward+backward time as each launch parameter varies alone around the defaults."""
     from ..ops.triton import tuning
 
     H, G, Dk, Dv = SHAPES[shape]
-    ins = make_inputs(T, H, G, Dk, Dv)
+    ins = make_inputs(T, H, G, Dk, Dv, batch=batch)
     step = _fwd_bwd(_nsa(ins), ins)
     base = dataclasses.replace(tuning.TUNING)
     rows = [{"shape": shape, "T": T, "param": "defaults", "value": "", "fwdbwd_ms": _timed(step)}]
@@ -208,31 +207,33 @@ def sweep(shape: str, T: int) -> list[dict]:
 
 
 def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = True, use_fla: bool = True,
-        breakdown_at: list[int] | None = None, sweep_at: int | None = None) -> list[dict]:
+        breakdown_at: list[int] | None = None, sweep_at: list[int] | None = None, batch: int = 1) -> list[dict]:
     if not torch.cuda.is_available():
         raise UserError("nsa bench attention needs a CUDA GPU")
+    if batch < 1:
+        raise UserError(f"--batch must be at least 1, got {batch}")
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise UserError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
-    meta = environment() | {"hyperparameters": HP, "dtype": "bfloat16", "batch": 1,
+    meta = environment() | {"hyperparameters": HP, "dtype": "bfloat16", "batch": batch,
                             "shapes": {s: SHAPES[s] for s in shapes}}
     print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  git {meta['git']}")
     rows = []
     for shape in shapes:
         for T in lengths:
-            rows.append(compare(shape, T, backward, use_fla))
+            rows.append(compare(shape, T, backward, use_fla, batch))
             print(format_table(rows[-1:], list(rows[-1])).splitlines()[-1], flush=True)
     columns = ["shape", "T", "nsa_fwd_ms", "dense_fwd_ms", "fla_fwd_ms", "speedup_fwd", "nsa_fwdbwd_ms",
                "dense_fwdbwd_ms", "fla_fwdbwd_ms", "speedup_fwdbwd", "vs_fla_fwdbwd"]
     print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
     paths = write_results(rows, out_dir, "attention", meta)
     for T in breakdown_at or []:
-        parts = [r for shape in shapes for r in components(shape, T)]
+        parts = [r for shape in shapes for r in components(shape, T, batch)]
         print("\n" + format_table(parts, ["shape", "T", "stage", "ms"]))
         paths += write_results(parts, out_dir, f"attention_components_{T}", meta)
     if sweep_at:
-        tuned = [r for shape in shapes for r in sweep(shape, sweep_at)]
+        tuned = [r for T in sweep_at for shape in shapes for r in sweep(shape, T, batch)]
         print("\n" + format_table(tuned, ["shape", "T", "param", "value", "fwdbwd_ms"]))
-        paths += write_results(tuned, out_dir, f"attention_sweep_{sweep_at}", meta)
+        paths += write_results(tuned, out_dir, "attention_sweep", meta)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return rows

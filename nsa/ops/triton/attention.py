@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .gating import gate_grads
 from .range_attention import MODE_CMP, MODE_WIN, range_attention_bwd, range_attention_fwd
-from .selected_attention import build_inverse_index, per_token, selected_backward, selected_forward
+from .selected_attention import BLOCKS, build_inverse_index, selected_backward, selected_forward, selected_path
 from .selection import select_blocks_fwd
 from .tuning import TUNING
 
@@ -40,9 +40,9 @@ def nsa_forward(
     T = q.shape[1]
     o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, scale, block_len, block_stride, window)
     indices = select_blocks_fwd(q, k_cmp, lse_cmp, scale, block_len, block_stride, sel_block, n_sel)
-    # Only the block-centric path needs the inverse index before backward (which builds it otherwise).
-    h = q.shape[2] // k_sel.shape[2]
-    inverse = _no_inverse(q) if per_token(h) else build_inverse_index(indices, T, sel_block)
+    # Only the block-centric path needs the inverse index (and keeps it for backward).
+    blocks = selected_path(T, q.shape[2] // k_sel.shape[2], sel_block) == BLOCKS
+    inverse = build_inverse_index(indices, T, sel_block) if blocks else _no_inverse(q)
     o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
     o, o_sel, lse_sel = selected_forward(q, k_sel, v_sel, indices, inverse, o_cmp, o_win, gates, scale, sel_block)
     return o, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices, *inverse
@@ -55,9 +55,9 @@ def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_strid
     o = q.new_empty(B, T, H, Dv)
     lse = q.new_empty(B, T, H, dtype=_F32)
     idx = q.new_empty(B, T, G, n_sel, dtype=torch.int64)
-    token = per_token(H // G)
-    item = q.new_empty(0 if token else _num_items(B, T, G, n_sel, sel_block, q.device), dtype=torch.int32)
-    entries = q.new_empty(0 if token else B * G * T * n_sel, dtype=torch.int32)
+    blocks = selected_path(T, H // G, sel_block) == BLOCKS
+    item = q.new_empty(_num_items(B, T, G, n_sel, sel_block, q.device) if blocks else 0, dtype=torch.int32)
+    entries = q.new_empty(B * G * T * n_sel if blocks else 0, dtype=torch.int32)
     return (o, torch.empty_like(o), lse, torch.empty_like(o), torch.empty_like(lse), torch.empty_like(o),
             torch.empty_like(lse), idx, item, torch.empty_like(item), torch.empty_like(item), entries)
 
@@ -74,8 +74,6 @@ def nsa_backward(
     dgates, delta = gate_grads(do, o_cmp, o_sel, o_win, gates)
     dq = torch.empty(q.shape, device=q.device, dtype=_F32)
     inverse = (item_key, item_start, item_count, entries)
-    if entries.numel() == 0:
-        inverse = build_inverse_index(indices, q.shape[1], sel_block)
     dk_sel, dv_sel = selected_backward(q, k_sel, v_sel, indices, inverse, do, gates[..., 1], lse_sel, delta[1],
                                        dq, scale, sel_block)
     dk_win, dv_win = range_attention_bwd(q, k_win, v_win, do, gates[..., 2], lse_win, delta[2], dq,

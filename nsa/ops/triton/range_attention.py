@@ -1,7 +1,13 @@
-"""Attention where each query sees one contiguous range of keys: the compressed and window branches.
+"""Attention where each query sees one contiguous range of keys: the compressed and window branches,
+and the selected branch at short T.
 
 Compressed (MODE_CMP): query t sees compressed tokens 0 .. floor((t - l + 1) / d).
 Window (MODE_WIN): query t sees raw tokens max(0, t - w + 1) .. t.
+Selected, tiled (MODE_SEL): query t sees raw tokens 0 .. t of the blocks its group chose
+(indices [B,T,G,n]). Tiles walk every block up to the causal edge and skip those no row of
+the tile chose. That costs dense causal work, which is what NSA does anyway while T is a few
+n * l' (most of the prefix is selected), and then runs at flash-attention efficiency instead of
+gathering per block; longer sequences use selected_attention's block-centric kernels.
 
 Grouped-query packing: a program's rows are consecutive (token, head) pairs of one
 key/value group, row r <-> token r // h, head r % h. Any group size h fills the
@@ -23,6 +29,7 @@ from .tuning import TUNING
 
 MODE_CMP = 0
 MODE_WIN = 1
+MODE_SEL = 2
 
 
 @triton.jit
@@ -31,10 +38,36 @@ def _key_range(t, MODE: tl.constexpr, block_len, block_stride, window):
     if MODE == 0:
         lo = t * 0
         hi = tl.where(t >= block_len - 1, tl.maximum(t - block_len + 1, 0) // block_stride, -1)
-    else:
+    elif MODE == 1:
         lo = tl.maximum(t - window + 1, 0)
         hi = t
+    else:
+        lo = t * 0
+        hi = t
     return lo, hi
+
+
+@triton.jit
+def _chosen(IDX, idx_off, row_ok, n_sel, NP: tl.constexpr):
+    """[rows, NP] selected block indices of each row's query (-1 in unused slots and masked rows)."""
+    s = tl.arange(0, NP)
+    return tl.load(IDX + idx_off[:, None] + s[None, :], mask=row_ok[:, None] & (s[None, :] < n_sel),
+                   other=-1).to(tl.int32)
+
+
+@triton.jit
+def _picked(chosen, first_key, kidx, sel_block, ONE_BLOCK: tl.constexpr):
+    """[rows, keys] (or [rows, 1] when the keys share first_key's block): whether each row chose each key's block."""
+    if ONE_BLOCK:
+        return (tl.max((chosen == (first_key // sel_block)).to(tl.int32), 1) > 0)[:, None]
+    else:
+        j = (kidx // sel_block).to(tl.int32)
+        return tl.max((chosen[:, :, None] == j[None, None, :]).to(tl.int32), 1) > 0
+
+
+@triton.jit
+def _any(mask):
+    return tl.max(tl.max(mask.to(tl.int32), 1), 0) > 0
 
 
 @triton.jit
@@ -58,12 +91,33 @@ def _tile_key_span(pid_m, T, h, MODE: tl.constexpr, block_len, block_stride, win
 
 
 @triton.jit
+def _full_keys(t_first, t_last, MODE: tl.constexpr, block_len, block_stride, window):
+    """Keys [lo, hi] that every token t_first..t_last sees (steps inside need no mask; none for MODE_SEL)."""
+    lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
+    _, hi = _key_range(t_first, MODE, block_len, block_stride, window)
+    if MODE == 2:
+        hi = lo - 1
+    return lo, hi
+
+
+@triton.jit
+def _fwd_step(q, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, s_mask, MASKED: tl.constexpr, scale_log2,
+              m_i, l_i, acc, DK: tl.constexpr, DV: tl.constexpr):
+    k = load_tile(K, k_base + kidx * skt, dk, k_ok, DK)
+    v = load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    if MASKED:
+        s = tl.where(s_mask, s, float("-inf"))
+    return softmax_step(s, v, m_i, l_i, acc)
+
+
+@triton.jit
 def _range_fwd_kernel(
-    Q, K, V, O, LSE,
-    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sob, sot, soh, slb, slt,
-    T, NK, G, h, scale_log2, block_len, block_stride, window,
+    Q, K, V, O, LSE, IDX,
+    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sob, sot, soh, slb, slt, sib, sit, sig,
+    T, NK, G, h, scale_log2, block_len, block_stride, window, sel_block, n_sel,
     MODE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NP: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
@@ -72,30 +126,56 @@ def _range_fwd_kernel(
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
     lo, hi = _key_range(t, MODE, block_len, block_stride, window)
     k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
+    full_lo, full_hi = _full_keys((pid_m * BLOCK_M) // h, tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h),
+                                  MODE, block_len, block_stride, window)
+    if MODE == 2:
+        chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
+    k_base = b * skb + g * skg
+    v_base = b * svb + g * svg
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for start in range(k_start, k_end, BLOCK_N):
         kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
         k_ok = (kidx >= 0) & (kidx < NK)
-        k = load_tile(K, b * skb + g * skg + kidx * skt, dk, k_ok, DK)
-        v = load_tile(V, b * svb + g * svg + kidx * svt, dv, k_ok, DV)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
         visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
-        m_i, l_i, acc = softmax_step(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc)
+        if MODE == 2:
+            visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+            if _any(visible):
+                m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, True,
+                                          scale_log2, m_i, l_i, acc, DK, DV)
+        elif (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi):
+            m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, False,
+                                      scale_log2, m_i, l_i, acc, DK, DV)
+        else:
+            m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, True,
+                                      scale_log2, m_i, l_i, acc, DK, DV)
     out, lse = softmax_finish(m_i, l_i, acc)
     store_tile(O, b * sob + t * sot + head * soh, dv, row_ok, out, DV)
     tl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
 
 
 @triton.jit
+def _dq_step(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, s_mask, MASKED: tl.constexpr,
+             scale_log2, dq, DK: tl.constexpr, DV: tl.constexpr):
+    k = load_tile(K, k_base + kidx * skt, dk, k_ok, DK)
+    v = load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])
+    if MASKED:
+        p = tl.where(s_mask, p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.jit
 def _range_bwd_dq_kernel(
-    Q, K, V, DO, GATE, LSE, DELTA, DQ,
+    Q, K, V, DO, GATE, LSE, DELTA, DQ, IDX,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
-    sdqb, sdqt, sdqh,
-    T, NK, G, h, scale_log2, scale, block_len, block_stride, window,
+    sdqb, sdqt, sdqh, sib, sit, sig,
+    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block, n_sel,
     MODE: tl.constexpr, ACCUMULATE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NP: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
@@ -106,17 +186,28 @@ def _range_bwd_dq_kernel(
                                      b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
     lo, hi = _key_range(t, MODE, block_len, block_stride, window)
     k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
+    full_lo, full_hi = _full_keys((pid_m * BLOCK_M) // h, tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h),
+                                  MODE, block_len, block_stride, window)
+    if MODE == 2:
+        chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
+    k_base = b * skb + g * skg
+    v_base = b * svb + g * svg
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     for start in range(k_start, k_end, BLOCK_N):
         kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
         k_ok = (kidx >= 0) & (kidx < NK)
-        k = load_tile(K, b * skb + g * skg + kidx * skt, dk, k_ok, DK)
-        v = load_tile(V, b * svb + g * svg + kidx * svt, dv, k_ok, DV)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
         visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
-        p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        if MODE == 2:
+            visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+            if _any(visible):
+                dq = _dq_step(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, True,
+                              scale_log2, dq, DK, DV)
+        elif (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi):
+            dq = _dq_step(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, False,
+                          scale_log2, dq, DK, DV)
+        else:
+            dq = _dq_step(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, True,
+                          scale_log2, dq, DK, DV)
     dq = dq * scale
     dq_off = b * sdqb + t * sdqt + head * sdqh
     if ACCUMULATE:
@@ -125,13 +216,32 @@ def _range_bwd_dq_kernel(
 
 
 @triton.jit
+def _dkdv_step(k, v, Q, DO, GATE, LSE, DELTA, b, g, rows, row_ok, h, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh,
+               slb, slt, dk, dv, st_mask, MASKED: tl.constexpr, scale_log2, dk_acc, dv_acc,
+               DK: tl.constexpr, DV: tl.constexpr):
+    t = (rows // h).to(tl.int64)
+    head = (g * h + rows % h).to(tl.int64)
+    q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
+    do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
+                                     b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
+    pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+    if MASKED:
+        pt = tl.where(st_mask, pt, 0.0)
+    dv_acc += tl.dot(pt.to(do.dtype), do)
+    dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
+    dk_acc += tl.dot(dst.to(q.dtype), q)
+    return dk_acc, dv_acc
+
+
+@triton.jit
 def _range_bwd_dkdv_kernel(
-    Q, K, V, DO, GATE, LSE, DELTA, DKo, DVo,
+    Q, K, V, DO, GATE, LSE, DELTA, DKo, DVo, IDX,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
-    sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
-    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, rows_per_split,
+    sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sib, sit, sig,
+    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block, n_sel, rows_per_split,
     MODE: tl.constexpr, ATOMIC: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NP: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -146,15 +256,24 @@ def _range_bwd_dkdv_kernel(
     v_off = b * svb + g * svg + kidx * svt
     k = load_tile(K, k_off, dk, k_ok, DK)
     v = load_tile(V, v_off, dv, k_ok, DV)
-    # Queries that can see any key of this tile.
+    # Queries that can see any key of this tile ([t_lo, t_hi]), and those that see all of them ([f_lo, f_hi]).
     k_first = pid_n * BLOCK_N
     k_last = tl.minimum(NK - 1, k_first + BLOCK_N - 1)
     if MODE == 0:
         t_lo = k_first * block_stride + block_len - 1
         t_hi = T - 1
-    else:
+        f_lo = (k_first + BLOCK_N - 1) * block_stride + block_len - 1
+        f_hi = T - 1
+    elif MODE == 1:
         t_lo = k_first
         t_hi = tl.minimum(T - 1, k_last + window - 1)
+        f_lo = k_first + BLOCK_N - 1
+        f_hi = k_first + window - 1
+    else:
+        t_lo = k_first
+        t_hi = T - 1
+        f_lo = T
+        f_hi = -1
     # This program covers rows [split_lo, split_hi) of the (token, head) rows that see the tile.
     split_lo = pid_split * rows_per_split
     split_hi = tl.minimum((t_hi + 1) * h, split_lo + rows_per_split)
@@ -165,17 +284,23 @@ def _range_bwd_dkdv_kernel(
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < split_hi
         t = (rows // h).to(tl.int64)
-        head = (g * h + rows % h).to(tl.int64)
-        q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
-        do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
-                                         b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
         lo, hi = _key_range(t, MODE, block_len, block_stride, window)
         visible = (kidx[:, None] >= lo[None, :]) & (kidx[:, None] <= hi[None, :]) & row_ok[None, :] & k_ok[:, None]
-        st = tl.dot(k, tl.trans(q)) * scale_log2  # [BLOCK_N, BLOCK_M]
-        pt = tl.where(visible, tl.exp2(st - lse2[None, :]), 0.0)
-        dv_acc += tl.dot(pt.to(do.dtype), do)
-        dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk_acc += tl.dot(dst.to(q.dtype), q)
+        if MODE == 2:
+            chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
+            visible = visible & tl.trans(_picked(chosen, k_first, kidx, sel_block, ONE_BLOCK))
+            if _any(visible):
+                dk_acc, dv_acc = _dkdv_step(k, v, Q, DO, GATE, LSE, DELTA, b, g, rows, row_ok, h, sqb, sqt, sqh,
+                                            sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, dk, dv, visible, True,
+                                            scale_log2, dk_acc, dv_acc, DK, DV)
+        elif (r0 >= f_lo * h) & (r0 + BLOCK_M <= (f_hi + 1) * h) & (r0 + BLOCK_M <= split_hi):
+            dk_acc, dv_acc = _dkdv_step(k, v, Q, DO, GATE, LSE, DELTA, b, g, rows, row_ok, h, sqb, sqt, sqh,
+                                        sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, dk, dv, visible, False,
+                                        scale_log2, dk_acc, dv_acc, DK, DV)
+        else:
+            dk_acc, dv_acc = _dkdv_step(k, v, Q, DO, GATE, LSE, DELTA, b, g, rows, row_ok, h, sqb, sqt, sqh,
+                                        sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, dk, dv, visible, True,
+                                        scale_log2, dk_acc, dv_acc, DK, DV)
     dk_acc = dk_acc * scale
     dk_off = b * sdkb + g * sdkg + kidx * sdkt
     dv_off = b * sdvb + g * sdvg + kidx * sdvt
@@ -191,36 +316,71 @@ def _range_bwd_dkdv_kernel(
 # ---------------------------------------------------------------- launchers
 
 
-def _blocks(q: torch.Tensor, dk: int, dv: int) -> dict:
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _blocks(q: torch.Tensor, dk: int, dv: int, mode: int, sel_block: int) -> dict:
     if q.device.type != "cuda":
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
-    block_n = TUNING.range_block_n // 2 if max(dk, dv) > 64 else TUNING.range_block_n
-    return dict(BLOCK_M=TUNING.range_block_m, BLOCK_N=block_n, num_warps=TUNING.range_warps,
-                num_stages=TUNING.range_stages)
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
+    else:
+        block_n = TUNING.range_block_n // 2 if max(dk, dv) > 64 else TUNING.range_block_n
+        if mode == MODE_SEL:  # one selection block per key step where the block size allows it
+            block_n = max(16, min(block_n, sel_block & -sel_block))
+        cfg = dict(BLOCK_M=TUNING.range_block_m, BLOCK_N=block_n, num_warps=TUNING.range_warps,
+                   num_stages=TUNING.range_stages)
+    return cfg | dict(ONE_BLOCK=sel_block % cfg["BLOCK_N"] == 0)
 
 
-def range_attention_fwd(q, k, v, mode: int, scale: float, block_len: int, block_stride: int, window: int):
-    """Branch output [B,T,H,Dv] (q's dtype) and log-sum-exp [B,T,H] (float32, -inf where nothing is visible)."""
+def _selection_args(indices: torch.Tensor | None, q: torch.Tensor, sel_block: int) -> tuple[torch.Tensor, tuple, tuple]:
+    """(IDX, its three strides, (sel_block, n_sel)) for the kernels; dummies outside MODE_SEL."""
+    if indices is None:
+        return q, (0, 0, 0), (max(sel_block, 1), 0)
+    return indices, tuple(indices.stride()[:3]), (sel_block, indices.shape[-1])
+
+
+def _np(indices: torch.Tensor | None) -> int:
+    return max(2, triton.next_power_of_2(indices.shape[-1])) if indices is not None else 2
+
+
+def range_attention_fwd(q, k, v, mode: int, scale: float, block_len: int, block_stride: int, window: int,
+                        indices: torch.Tensor | None = None, sel_block: int = 0):
+    """Branch output [B,T,H,Dv] (q's dtype) and log-sum-exp [B,T,H] (float32, -inf where nothing is visible).
+
+    MODE_SEL needs the selected blocks `indices` [B,T,G,n] and their size `sel_block`.
+    """
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
     h = H // G
     o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    cfg = _blocks(q, Dk, Dv)
+    idx, idx_strides, sel = _selection_args(indices, q, sel_block)
+    cfg = _blocks(q, Dk, Dv, mode, sel[0])
     grid = (triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)
     _range_fwd_kernel[grid](
-        q, k, v, o, lse,
+        q, k, v, o, lse, idx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        T, NK, G, h, scale * LOG2E, block_len, block_stride, window,
-        MODE=mode, **head_dims(Dk, Dv), **cfg,
+        *idx_strides, T, NK, G, h, scale * LOG2E, block_len, block_stride, window, *sel,
+        MODE=mode, **head_dims(Dk, Dv), NP=_np(indices), **cfg,
     )
     return o, lse
 
 
+def _dkdv_splits(total_rows: int, key_tiles: int, programs: int, block_m: int, device) -> tuple[int, int]:
+    """(splits, rows per split) of the dK/dV kernel: a compressed or selected key tile is seen by most later
+    queries, so its rows are shared by several programs (float32 atomics add their sums) to fill the GPU."""
+    per_split = TUNING.cmp_rows_per_split if device.type == "cuda" else 32  # several splits in CPU tests too
+    fill = triton.cdiv(TUNING.dkdv_programs_per_sm * _num_sms(device), max(1, key_tiles * programs))
+    rows_per_split = max(block_m, min(per_split, triton.cdiv(total_rows, fill)))
+    rows_per_split = triton.cdiv(rows_per_split, block_m) * block_m
+    return max(1, triton.cdiv(total_rows, rows_per_split)), rows_per_split
+
+
 def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate: bool, scale: float,
-                        block_len: int, block_stride: int, window: int):
-    """Adds this branch's dQ into dq (float32) and returns (dK, dV) in float32.
+                        block_len: int, block_stride: int, window: int, indices: torch.Tensor | None = None,
+                        sel_block: int = 0):
+    """Adds this branch's dQ into dq (float32; overwrites it unless `accumulate`) and returns (dK, dV) in float32.
 
     do is the gradient of the gated sum; gate [B,T,H] scales it to this branch's share.
     delta [B,T,H] = rowsum(gate * do * o_branch).
@@ -228,31 +388,31 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
     h = H // G
-    cfg = _blocks(q, Dk, Dv)
-    common = (T, NK, G, h, scale * LOG2E, scale, block_len, block_stride, window)
+    idx, idx_strides, sel = _selection_args(indices, q, sel_block)
+    cfg = _blocks(q, Dk, Dv, mode, sel[0])
+    common = (T, NK, G, h, scale * LOG2E, scale, block_len, block_stride, window, *sel)
     strides = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         gate.stride(0), gate.stride(1), gate.stride(2), lse.stride(0), lse.stride(1),
     )
+    launch = dict(MODE=mode, **head_dims(Dk, Dv), NP=_np(indices), **cfg)
     _range_bwd_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
-        q, k, v, do, gate, lse, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-        *common, MODE=mode, ACCUMULATE=accumulate, **head_dims(Dk, Dv), **cfg,
+        q, k, v, do, gate, lse, delta, dq, idx, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *idx_strides,
+        *common, ACCUMULATE=accumulate, **launch,
     )
-    # A compressed key is seen by every later query: split those rows over several programs
-    # (float32 atomics add their partial sums) so that the few key tiles still fill the GPU.
-    total_rows = T * h
-    per_split = TUNING.cmp_rows_per_split if q.device.type == "cuda" else 32  # several splits in CPU tests too
-    rows_per_split = total_rows if mode == MODE_WIN else max(cfg["BLOCK_M"], per_split)
-    rows_per_split = triton.cdiv(rows_per_split, cfg["BLOCK_M"]) * cfg["BLOCK_M"]
-    splits = max(1, triton.cdiv(total_rows, rows_per_split))
+    key_tiles = triton.cdiv(NK, cfg["BLOCK_N"])
+    if mode == MODE_WIN:
+        splits, rows_per_split = 1, T * h
+    else:
+        splits, rows_per_split = _dkdv_splits(T * h, key_tiles, B * G, cfg["BLOCK_M"], q.device)
     alloc = torch.zeros if splits > 1 else torch.empty
     dk_out = alloc(k.shape, device=k.device, dtype=torch.float32)
     dv_out = alloc(v.shape, device=v.device, dtype=torch.float32)
     if NK > 0:
-        _range_bwd_dkdv_kernel[(triton.cdiv(NK, cfg["BLOCK_N"]), splits, B * G)](
-            q, k, v, do, gate, lse, delta, dk_out, dv_out, *strides,
+        _range_bwd_dkdv_kernel[(key_tiles, splits, B * G)](
+            q, k, v, do, gate, lse, delta, dk_out, dv_out, idx, *strides,
             dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-            *common, rows_per_split, MODE=mode, ATOMIC=splits > 1, **head_dims(Dk, Dv), **cfg,
+            *idx_strides, *common, rows_per_split, ATOMIC=splits > 1, **launch,
         )
     return dk_out, dv_out

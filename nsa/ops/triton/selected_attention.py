@@ -1,4 +1,8 @@
-"""The selected branch, computed block-centrically in both directions.
+"""The selected branch, computed block-centrically in both directions (tiled at short T).
+
+While a sequence has few selection blocks (`Tuning.tiled_max_blocks`), most of each
+query's causal prefix is selected and the branch runs as range_attention's MODE_SEL:
+dense causal tiles that skip the blocks no query of the tile chose. Beyond that:
 
 Query t attends to the tokens s <= t of its group's n selected blocks. Loading each
 query's blocks separately (the paper's per-token gather) reads n * l' keys and values
@@ -23,7 +27,10 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
+from .range_attention import MODE_SEL, range_attention_bwd, range_attention_fwd
 from .tuning import TUNING
+
+TILED, TOKEN, BLOCKS = "tiled", "per-token", "block-centric"
 
 
 def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
@@ -317,9 +324,12 @@ def _row_launch(q: torch.Tensor) -> dict:
     return dict(BLOCK_M=64, num_warps=4) if q.device.type == "cuda" else dict(BLOCK_M=16, num_warps=1)
 
 
-def per_token(heads_per_group: int) -> bool:
-    """Forward and dQ by per-query gathers (h fills the matrix rows) rather than block-centrically."""
-    return heads_per_group >= TUNING.token_min_heads
+def selected_path(seq_len: int, heads_per_group: int, sel_block: int) -> str:
+    """TILED while the sequence has few selection blocks; otherwise TOKEN (forward and dQ by per-query
+    gathers, h fills the matrix rows) for large groups, BLOCKS for small ones."""
+    if -(-seq_len // sel_block) <= TUNING.tiled_max_blocks:
+        return TILED
+    return TOKEN if heads_per_group >= TUNING.token_min_heads else BLOCKS
 
 
 def build_inverse_index(indices: torch.Tensor, seq_len: int, sel_block: int, chunk: int | None = None):
@@ -335,20 +345,23 @@ def _strides(*tensors) -> tuple:
 def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: float, sel_block: int):
     """(o, o_sel, lse_sel): the selected branch and the gated sum of all three branches.
 
-    `inverse` (from build_inverse_index) is needed unless per_token(h).
+    `inverse` (from build_inverse_index) is needed on the BLOCKS path.
     """
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
+    path = selected_path(T, h, sel_block)
     o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
     o_sel = torch.empty_like(o)
     lse_sel = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    if per_token(h):
+    opart = lsepart = lse_sel  # the block-centric partials; unused by the other paths
+    if path == TILED:
+        o_sel, lse_sel = range_attention_fwd(q, k, v, MODE_SEL, scale, 1, 1, 1, indices=indices, sel_block=sel_block)
+    elif path == TOKEN:
         _sel_token_fwd_kernel[(T, B * G)](
             q, k, v, indices, o_sel, lse_sel, *_strides(q, k, v, indices, o_sel), *lse_sel.stride()[:2],
             T, G, h, scale * LOG2E, sel_block, n, **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
         )
-        opart = lsepart = lse_sel  # unused by the kernel below
     else:
         item_key, item_start, item_count, entries = inverse
         opart = torch.empty(B * G * T * n, h, Dv, device=q.device, dtype=q.dtype)
@@ -362,7 +375,7 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
     _finalize_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel,
         *indices.stride()[:3], *o.stride()[:3], *gates.stride()[:3], *lse_sel.stride()[:2],
-        T, G, h, n, MERGE=not per_token(h), DV=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), **cfg,
+        T, G, h, n, MERGE=path == BLOCKS, DV=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), **cfg,
     )
     return o, o_sel, lse_sel
 
@@ -376,7 +389,13 @@ def selected_backward(q, k, v, indices, inverse, do, gate, lse, delta, dq, scale
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
-    token = per_token(h)
+    path = selected_path(T, h, sel_block)
+    if path == TILED:
+        return range_attention_bwd(q, k, v, do, gate, lse, delta, dq, MODE_SEL, False, scale, 1, 1, 1,
+                                   indices=indices, sel_block=sel_block)
+    token = path == TOKEN
+    if token:  # its dK/dV is block-centric too; the forward had no use for the index
+        inverse = build_inverse_index(indices, T, sel_block)
     item_key, item_start, item_count, entries = inverse
     dk_out = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv_out = torch.zeros(v.shape, device=v.device, dtype=torch.float32)

@@ -18,7 +18,12 @@ class Tuning:
     range_warps: int = 4
     range_stages: int = 2
     cmp_rows_per_split: int = 8192
-    """(token, head) rows per program of the compressed branch's dK/dV kernel (32 under the CPU interpreter)."""
+    """Most (token, head) rows per program of the compressed/selected dK/dV kernel (32 under the CPU interpreter)."""
+    dkdv_programs_per_sm: int = 4
+    """Rows are split further until that kernel has this many programs per SM (short sequences)."""
+    tiled_max_blocks: int = 64
+    """The selected branch runs tiled (dense causal tiles that skip unchosen blocks, like the window branch)
+    while a sequence has at most this many selection blocks, block-centric beyond."""
     select_block_t: int = 16
     """Tokens per program of the selection kernel."""
     select_warps: int = 4
