@@ -172,9 +172,8 @@ SWEEP = {
     "tiled_max_blocks": [0, 1 << 30],
     "range_block_m": [128],
     "range_block_n": [32, 128],
-    "range_warps": [8],
-    "range_stages": [3, 4],
-    "dkdv_programs_per_sm": [1, 16],
+    "range_stages": [3],
+    "dkdv_programs_per_sm": [16],
 }
 """Values tried for each launch parameter (the defaults are measured too)."""
 

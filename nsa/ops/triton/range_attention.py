@@ -66,11 +66,6 @@ def _picked(chosen, first_key, kidx, sel_block, ONE_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _any(mask):
-    return tl.max(tl.max(mask.to(tl.int32), 1), 0) > 0
-
-
-@triton.jit
 def _rows(pid_m, pid_bg, T, G, h, BLOCK_M: tl.constexpr):
     """(b, g, row ok, token, head) of a program's (token, head) rows; row r <-> token r // h, head r % h."""
     b = (pid_bg // G).to(tl.int64)
@@ -91,24 +86,37 @@ def _tile_key_span(pid_m, T, h, MODE: tl.constexpr, block_len, block_stride, win
 
 
 @triton.jit
-def _full_keys(t_first, t_last, MODE: tl.constexpr, block_len, block_stride, window):
-    """Keys [lo, hi] that every token t_first..t_last sees (steps inside need no mask; none for MODE_SEL)."""
-    lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
-    _, hi = _key_range(t_first, MODE, block_len, block_stride, window)
-    if MODE == 2:
-        hi = lo - 1
-    return lo, hi
+def _interior(first, last, lo, hi, step, ALIGN_HI: tl.constexpr):
+    """Split [first, last) (first a multiple of step) at a (>= lo) and e (<= hi + 1) so that the steps of
+    [a, e) lie inside [lo, hi]: [first, a) and [e, last) then need masks, [a, e) does not."""
+    a = tl.minimum(tl.maximum(((lo + step - 1) // step) * step, first), last)
+    e = tl.maximum(tl.minimum(((hi + 1) // step) * step, ((last // step) * step) if ALIGN_HI else last), a)
+    return a, e
 
 
 @triton.jit
-def _fwd_step(q, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, s_mask, MASKED: tl.constexpr, scale_log2,
-              m_i, l_i, acc, DK: tl.constexpr, DV: tl.constexpr):
-    k = load_tile(K, k_base + kidx * skt, dk, k_ok, DK)
-    v = load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
-    s = tl.dot(q, tl.trans(k)) * scale_log2
-    if MASKED:
-        s = tl.where(s_mask, s, float("-inf"))
-    return softmax_step(s, v, m_i, l_i, acc)
+def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block, dk, dv,
+              scale_log2, m_i, l_i, acc, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
+              DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax over key steps [first, last); MASKED applies each row's visible range (and choice)."""
+    for start in range(first, last, BLOCK_N):
+        kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k_ok = (kidx >= 0) & (kidx < NK)
+        k = load_tile(K, k_base + kidx * skt, dk, k_ok, DK)
+        v = load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if MASKED:
+            visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
+            if MODE == 2:
+                visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+            s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tile_rows_tokens(pid_m, T, h, BLOCK_M: tl.constexpr):
+    return (pid_m * BLOCK_M) // h, tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
 
 
 @triton.jit
@@ -126,45 +134,49 @@ def _range_fwd_kernel(
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
     lo, hi = _key_range(t, MODE, block_len, block_stride, window)
     k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
-    full_lo, full_hi = _full_keys((pid_m * BLOCK_M) // h, tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h),
-                                  MODE, block_len, block_stride, window)
-    if MODE == 2:
+    t_first, t_last = _tile_rows_tokens(pid_m, T, h, BLOCK_M)
+    if MODE == 2:  # every step is masked by the rows' choices
         chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
+        a, e = k_end, k_end
+    else:
+        chosen = row_ok
+        full_lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
+        _, full_hi = _key_range(t_first, MODE, block_len, block_stride, window)
+        a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
     k_base = b * skb + g * skg
     v_base = b * svb + g * svg
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start in range(k_start, k_end, BLOCK_N):
-        kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k_ok = (kidx >= 0) & (kidx < NK)
-        visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
-        if MODE == 2:
-            visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
-            if _any(visible):
-                m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, True,
-                                          scale_log2, m_i, l_i, acc, DK, DV)
-        elif (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi):
-            m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, False,
-                                      scale_log2, m_i, l_i, acc, DK, DV)
-        else:
-            m_i, l_i, acc = _fwd_step(q, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, True,
-                                      scale_log2, m_i, l_i, acc, DK, DV)
+    m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen, sel_block,
+                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+    m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, a, e, lo, hi, row_ok, chosen, sel_block,
+                              dk, dv, scale_log2, m_i, l_i, acc, False, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+    m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen, sel_block,
+                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
     out, lse = softmax_finish(m_i, l_i, acc)
     store_tile(O, b * sob + t * sot + head * soh, dv, row_ok, out, DV)
     tl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
 
 
 @triton.jit
-def _dq_step(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, s_mask, MASKED: tl.constexpr,
-             scale_log2, dq, DK: tl.constexpr, DV: tl.constexpr):
-    k = load_tile(K, k_base + kidx * skt, dk, k_ok, DK)
-    v = load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
-    p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])
-    if MASKED:
-        p = tl.where(s_mask, p, 0.0)
-    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k)
+def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block,
+             dk, dv, scale_log2, dq, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
+             DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    for start in range(first, last, BLOCK_N):
+        kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k_ok = (kidx >= 0) & (kidx < NK)
+        k = load_tile(K, k_base + kidx * skt, dk, k_ok, DK)
+        v = load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])
+        if MASKED:
+            visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
+            if MODE == 2:
+                visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+            p = tl.where(visible, p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
 
 
 @triton.jit
@@ -186,28 +198,24 @@ def _range_bwd_dq_kernel(
                                      b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
     lo, hi = _key_range(t, MODE, block_len, block_stride, window)
     k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
-    full_lo, full_hi = _full_keys((pid_m * BLOCK_M) // h, tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h),
-                                  MODE, block_len, block_stride, window)
+    t_first, t_last = _tile_rows_tokens(pid_m, T, h, BLOCK_M)
     if MODE == 2:
         chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
+        a, e = k_end, k_end
+    else:
+        chosen = row_ok
+        full_lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
+        _, full_hi = _key_range(t_first, MODE, block_len, block_stride, window)
+        a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
     k_base = b * skb + g * skg
     v_base = b * svb + g * svg
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    for start in range(k_start, k_end, BLOCK_N):
-        kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k_ok = (kidx >= 0) & (kidx < NK)
-        visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
-        if MODE == 2:
-            visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
-            if _any(visible):
-                dq = _dq_step(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, True,
-                              scale_log2, dq, DK, DV)
-        elif (start >= full_lo) & (start + BLOCK_N - 1 <= full_hi):
-            dq = _dq_step(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, False,
-                          scale_log2, dq, DK, DV)
-        else:
-            dq = _dq_step(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, kidx, k_ok, dk, dv, visible, True,
-                          scale_log2, dq, DK, DV)
+    dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen,
+                  sel_block, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+    dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, a, e, lo, hi, row_ok, chosen,
+                  sel_block, dk, dv, scale_log2, dq, False, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+    dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen,
+                  sel_block, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
     dq = dq * scale
     dq_off = b * sdqb + t * sdqt + head * sdqh
     if ACCUMULATE:
@@ -216,20 +224,32 @@ def _range_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(k, v, Q, DO, GATE, LSE, DELTA, b, g, rows, row_ok, h, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh,
-               slb, slt, dk, dv, st_mask, MASKED: tl.constexpr, scale_log2, dk_acc, dv_acc,
-               DK: tl.constexpr, DV: tl.constexpr):
-    t = (rows // h).to(tl.int64)
-    head = (g * h + rows % h).to(tl.int64)
-    q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
-    do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
-                                     b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
-    pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse2[None, :])  # [BLOCK_N, BLOCK_M]
-    if MASKED:
-        pt = tl.where(st_mask, pt, 0.0)
-    dv_acc += tl.dot(pt.to(do.dtype), do)
-    dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
-    dk_acc += tl.dot(dst.to(q.dtype), q)
+def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, first, last, split_hi,
+               sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
+               block_len, block_stride, window, sel_block, n_sel, dk, dv, scale_log2, dk_acc, dv_acc,
+               MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr, NP: tl.constexpr,
+               DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dK/dV of one key tile over (token, head) row steps [first, last)."""
+    for r0 in range(first, last, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < split_hi
+        t = (rows // h).to(tl.int64)
+        head = (g * h + rows % h).to(tl.int64)
+        q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
+        do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
+                                         b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
+        pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        if MASKED:
+            lo, hi = _key_range(t, MODE, block_len, block_stride, window)
+            visible = (kidx[:, None] >= lo[None, :]) & (kidx[:, None] <= hi[None, :]) & row_ok[None, :]
+            visible = visible & k_ok[:, None]
+            if MODE == 2:
+                chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
+                visible = visible & tl.trans(_picked(chosen, k_first, kidx, sel_block, ONE_BLOCK))
+            pt = tl.where(visible, pt, 0.0)
+        dv_acc += tl.dot(pt.to(do.dtype), do)
+        dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk_acc += tl.dot(dst.to(q.dtype), q)
     return dk_acc, dv_acc
 
 
@@ -273,34 +293,26 @@ def _range_bwd_dkdv_kernel(
         t_lo = k_first
         t_hi = T - 1
         f_lo = T
-        f_hi = -1
+        f_hi = T - 1
     # This program covers rows [split_lo, split_hi) of the (token, head) rows that see the tile.
     split_lo = pid_split * rows_per_split
     split_hi = tl.minimum((t_hi + 1) * h, split_lo + rows_per_split)
     row_start = tl.maximum(split_lo, ((t_lo * h) // BLOCK_M) * BLOCK_M)
+    a, e = _interior(row_start, tl.maximum(split_hi, row_start), f_lo * h, (f_hi + 1) * h - 1, BLOCK_M, True)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    for r0 in range(row_start, split_hi, BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < split_hi
-        t = (rows // h).to(tl.int64)
-        lo, hi = _key_range(t, MODE, block_len, block_stride, window)
-        visible = (kidx[:, None] >= lo[None, :]) & (kidx[:, None] <= hi[None, :]) & row_ok[None, :] & k_ok[:, None]
-        if MODE == 2:
-            chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
-            visible = visible & tl.trans(_picked(chosen, k_first, kidx, sel_block, ONE_BLOCK))
-            if _any(visible):
-                dk_acc, dv_acc = _dkdv_step(k, v, Q, DO, GATE, LSE, DELTA, b, g, rows, row_ok, h, sqb, sqt, sqh,
-                                            sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, dk, dv, visible, True,
-                                            scale_log2, dk_acc, dv_acc, DK, DV)
-        elif (r0 >= f_lo * h) & (r0 + BLOCK_M <= (f_hi + 1) * h) & (r0 + BLOCK_M <= split_hi):
-            dk_acc, dv_acc = _dkdv_step(k, v, Q, DO, GATE, LSE, DELTA, b, g, rows, row_ok, h, sqb, sqt, sqh,
-                                        sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, dk, dv, visible, False,
-                                        scale_log2, dk_acc, dv_acc, DK, DV)
-        else:
-            dk_acc, dv_acc = _dkdv_step(k, v, Q, DO, GATE, LSE, DELTA, b, g, rows, row_ok, h, sqb, sqt, sqh,
-                                        sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, dk, dv, visible, True,
-                                        scale_log2, dk_acc, dv_acc, DK, DV)
+    dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, row_start, a,
+                                split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
+                                block_len, block_stride, window, sel_block, n_sel, dk, dv, scale_log2, dk_acc, dv_acc,
+                                True, MODE, ONE_BLOCK, NP, DK, DV, BLOCK_M)
+    dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, a, e,
+                                split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
+                                block_len, block_stride, window, sel_block, n_sel, dk, dv, scale_log2, dk_acc, dv_acc,
+                                False, MODE, ONE_BLOCK, NP, DK, DV, BLOCK_M)
+    dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, e, split_hi,
+                                split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
+                                block_len, block_stride, window, sel_block, n_sel, dk, dv, scale_log2, dk_acc, dv_acc,
+                                True, MODE, ONE_BLOCK, NP, DK, DV, BLOCK_M)
     dk_acc = dk_acc * scale
     dk_off = b * sdkb + g * sdkg + kidx * sdkt
     dv_off = b * sdvb + g * sdvg + kidx * sdvt
@@ -324,7 +336,7 @@ def _blocks(q: torch.Tensor, dk: int, dv: int, mode: int, sel_block: int) -> dic
     if q.device.type != "cuda":
         cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
     else:
-        block_n = TUNING.range_block_n // 2 if max(dk, dv) > 64 else TUNING.range_block_n
+        block_n = TUNING.range_block_n
         if mode == MODE_SEL:  # one selection block per key step where the block size allows it
             block_n = max(16, min(block_n, sel_block & -sel_block))
         cfg = dict(BLOCK_M=TUNING.range_block_m, BLOCK_N=block_n, num_warps=TUNING.range_warps,

@@ -14,7 +14,8 @@ class Tuning:
     range_block_m: int = 64
     """(token, head) rows per program of the compressed/window kernels."""
     range_block_n: int = 64
-    """Keys per inner step of the compressed/window kernels (halved for head dims above 64)."""
+    """Keys per inner step of the compressed/window kernels (measured on H200, bf16, 2k x 16: 64 beats 32 by
+    1.4x at head dim 128 and by 1.1x at 64)."""
     range_warps: int = 4
     range_stages: int = 2
     cmp_rows_per_split: int = 8192
