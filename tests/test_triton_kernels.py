@@ -44,7 +44,7 @@ def sel_path(request, monkeypatch):
 
 
 def test_selected_path_is_tiled_while_blocks_are_few_then_by_group_size():
-    few = tuning.TUNING.tiled_max_blocks
+    few = min(tuning.TUNING.tiled_max_blocks, 64)
     assert selected_path(few * 64, 6, 64) == TILED
     assert selected_path(few * 64 + 1, 6, 64) == BLOCKS
     assert selected_path(few * 64 + 1, 16, 64) == TOKEN

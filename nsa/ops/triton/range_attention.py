@@ -3,11 +3,11 @@ and the selected branch at short T.
 
 Compressed (MODE_CMP): query t sees compressed tokens 0 .. floor((t - l + 1) / d).
 Window (MODE_WIN): query t sees raw tokens max(0, t - w + 1) .. t.
-Selected, tiled (MODE_SEL): query t sees raw tokens 0 .. t of the blocks its group chose
-(indices [B,T,G,n]). Tiles walk every block up to the causal edge and skip those no row of
-the tile chose. That costs dense causal work, which is what NSA does anyway while T is a few
-n * l' (most of the prefix is selected), and then runs at flash-attention efficiency instead of
-gathering per block; longer sequences use selected_attention's block-centric kernels.
+Selected, tiled (MODE_SEL): query t sees raw tokens 0 .. t of the blocks its group chose,
+given as one 64-bit mask per query (chosen_bits). Tiles walk every key up to the causal edge,
+masked by the choices. That costs dense causal work, which is about what NSA does anyway while
+T is a few n * l' (most of the prefix is selected), at flash-attention efficiency instead of
+gathering per block; longer sequences use selected_attention's gathered kernels.
 
 Grouped-query packing: a program's rows are consecutive (token, head) pairs of one
 key/value group, row r <-> token r // h, head r % h. Any group size h fills the
@@ -48,21 +48,15 @@ def _key_range(t, MODE: tl.constexpr, block_len, block_stride, window):
 
 
 @triton.jit
-def _chosen(IDX, idx_off, row_ok, n_sel, NP: tl.constexpr):
-    """[rows, NP] selected block indices of each row's query (-1 in unused slots and masked rows)."""
-    s = tl.arange(0, NP)
-    return tl.load(IDX + idx_off[:, None] + s[None, :], mask=row_ok[:, None] & (s[None, :] < n_sel),
-                   other=-1).to(tl.int32)
+def _chosen(BITS, off, row_ok):
+    """[rows] bit j set where the row's query chose selection block j (MODE_SEL has at most 64 blocks)."""
+    return tl.load(BITS + off, mask=row_ok, other=0)
 
 
 @triton.jit
-def _picked(chosen, first_key, kidx, sel_block, ONE_BLOCK: tl.constexpr):
-    """[rows, keys] (or [rows, 1] when the keys share first_key's block): whether each row chose each key's block."""
-    if ONE_BLOCK:
-        return (tl.max((chosen == (first_key // sel_block)).to(tl.int32), 1) > 0)[:, None]
-    else:
-        j = (kidx // sel_block).to(tl.int32)
-        return tl.max((chosen[:, :, None] == j[None, None, :]).to(tl.int32), 1) > 0
+def _picked(bits, kidx, sel_block):
+    """[rows, keys]: whether each row chose each key's block."""
+    return ((bits[:, None] >> (kidx // sel_block)[None, :]) & 1) != 0
 
 
 @triton.jit
@@ -96,7 +90,7 @@ def _interior(first, last, lo, hi, step, ALIGN_HI: tl.constexpr):
 
 @triton.jit
 def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block, dk, dv,
-              scale_log2, m_i, l_i, acc, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
+              scale_log2, m_i, l_i, acc, MASKED: tl.constexpr, MODE: tl.constexpr,
               DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over key steps [first, last); MASKED applies each row's visible range (and choice)."""
     for start in range(first, last, BLOCK_N):
@@ -108,7 +102,7 @@ def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok
         if MASKED:
             visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
             if MODE == 2:
-                visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+                visible = visible & _picked(chosen, kidx, sel_block)
             s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
     return m_i, l_i, acc
@@ -123,9 +117,9 @@ def _tile_rows_tokens(pid_m, T, h, BLOCK_M: tl.constexpr):
 def _range_fwd_kernel(
     Q, K, V, O, LSE, IDX,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sob, sot, soh, slb, slt, sib, sit, sig,
-    T, NK, G, h, scale_log2, block_len, block_stride, window, sel_block, n_sel,
+    T, NK, G, h, scale_log2, block_len, block_stride, window, sel_block,
     MODE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NP: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
@@ -136,10 +130,10 @@ def _range_fwd_kernel(
     k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
     t_first, t_last = _tile_rows_tokens(pid_m, T, h, BLOCK_M)
     if MODE == 2:  # every step is masked by the rows' choices
-        chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
+        chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
         a, e = k_end, k_end
     else:
-        chosen = row_ok
+        chosen = row_ok.to(tl.int64)
         full_lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
         _, full_hi = _key_range(t_first, MODE, block_len, block_stride, window)
         a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
@@ -149,11 +143,11 @@ def _range_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen, sel_block,
-                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, DK, DV, BLOCK_N)
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, a, e, lo, hi, row_ok, chosen, sel_block,
-                              dk, dv, scale_log2, m_i, l_i, acc, False, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+                              dk, dv, scale_log2, m_i, l_i, acc, False, MODE, DK, DV, BLOCK_N)
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen, sel_block,
-                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, DK, DV, BLOCK_N)
     out, lse = softmax_finish(m_i, l_i, acc)
     store_tile(O, b * sob + t * sot + head * soh, dv, row_ok, out, DV)
     tl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
@@ -161,7 +155,7 @@ def _range_fwd_kernel(
 
 @triton.jit
 def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block,
-             dk, dv, scale_log2, dq, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
+             dk, dv, scale_log2, dq, MASKED: tl.constexpr, MODE: tl.constexpr,
              DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
     for start in range(first, last, BLOCK_N):
         kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -172,7 +166,7 @@ def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last
         if MASKED:
             visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
             if MODE == 2:
-                visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+                visible = visible & _picked(chosen, kidx, sel_block)
             p = tl.where(visible, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -184,10 +178,9 @@ def _range_bwd_dq_kernel(
     Q, K, V, DO, GATE, LSE, DELTA, DQ, IDX,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
     sdqb, sdqt, sdqh, sib, sit, sig,
-    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block, n_sel,
+    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block,
     MODE: tl.constexpr, ACCUMULATE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NP: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
@@ -200,10 +193,10 @@ def _range_bwd_dq_kernel(
     k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
     t_first, t_last = _tile_rows_tokens(pid_m, T, h, BLOCK_M)
     if MODE == 2:
-        chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
+        chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
         a, e = k_end, k_end
     else:
-        chosen = row_ok
+        chosen = row_ok.to(tl.int64)
         full_lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
         _, full_hi = _key_range(t_first, MODE, block_len, block_stride, window)
         a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
@@ -211,11 +204,11 @@ def _range_bwd_dq_kernel(
     v_base = b * svb + g * svg
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen,
-                  sel_block, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+                  sel_block, dk, dv, scale_log2, dq, True, MODE, DK, DV, BLOCK_N)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, a, e, lo, hi, row_ok, chosen,
-                  sel_block, dk, dv, scale_log2, dq, False, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+                  sel_block, dk, dv, scale_log2, dq, False, MODE, DK, DV, BLOCK_N)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen,
-                  sel_block, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
+                  sel_block, dk, dv, scale_log2, dq, True, MODE, DK, DV, BLOCK_N)
     dq = dq * scale
     dq_off = b * sdqb + t * sdqt + head * sdqh
     if ACCUMULATE:
@@ -226,8 +219,8 @@ def _range_bwd_dq_kernel(
 @triton.jit
 def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, first, last, split_hi,
                sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
-               block_len, block_stride, window, sel_block, n_sel, dk, dv, scale_log2, dk_acc, dv_acc,
-               MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr, NP: tl.constexpr,
+               block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
+               MASKED: tl.constexpr, MODE: tl.constexpr,
                DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr):
     """dK/dV of one key tile over (token, head) row steps [first, last)."""
     for r0 in range(first, last, BLOCK_M):
@@ -244,8 +237,8 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h,
             visible = (kidx[:, None] >= lo[None, :]) & (kidx[:, None] <= hi[None, :]) & row_ok[None, :]
             visible = visible & k_ok[:, None]
             if MODE == 2:
-                chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok, n_sel, NP)
-                visible = visible & tl.trans(_picked(chosen, k_first, kidx, sel_block, ONE_BLOCK))
+                bits = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
+                visible = visible & (((bits[None, :] >> (kidx // sel_block)[:, None]) & 1) != 0)
             pt = tl.where(visible, pt, 0.0)
         dv_acc += tl.dot(pt.to(do.dtype), do)
         dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
@@ -258,10 +251,9 @@ def _range_bwd_dkdv_kernel(
     Q, K, V, DO, GATE, LSE, DELTA, DKo, DVo, IDX,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sib, sit, sig,
-    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block, n_sel, rows_per_split,
+    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
     MODE: tl.constexpr, ATOMIC: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NP: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -303,16 +295,16 @@ def _range_bwd_dkdv_kernel(
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, row_start, a,
                                 split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
-                                block_len, block_stride, window, sel_block, n_sel, dk, dv, scale_log2, dk_acc, dv_acc,
-                                True, MODE, ONE_BLOCK, NP, DK, DV, BLOCK_M)
+                                block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
+                                True, MODE, DK, DV, BLOCK_M)
     dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, a, e,
                                 split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
-                                block_len, block_stride, window, sel_block, n_sel, dk, dv, scale_log2, dk_acc, dv_acc,
-                                False, MODE, ONE_BLOCK, NP, DK, DV, BLOCK_M)
+                                block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
+                                False, MODE, DK, DV, BLOCK_M)
     dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, e, split_hi,
                                 split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
-                                block_len, block_stride, window, sel_block, n_sel, dk, dv, scale_log2, dk_acc, dv_acc,
-                                True, MODE, ONE_BLOCK, NP, DK, DV, BLOCK_M)
+                                block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
+                                True, MODE, DK, DV, BLOCK_M)
     dk_acc = dk_acc * scale
     dk_off = b * sdkb + g * sdkg + kidx * sdkt
     dv_off = b * sdvb + g * sdvg + kidx * sdvt
@@ -332,49 +324,52 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _blocks(q: torch.Tensor, dk: int, dv: int, mode: int, sel_block: int) -> dict:
+def _blocks(q: torch.Tensor, dk: int, dv: int) -> dict:
     if q.device.type != "cuda":
         cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
     else:
-        block_n = TUNING.range_block_n
-        if mode == MODE_SEL:  # one selection block per key step where the block size allows it
-            block_n = max(16, min(block_n, sel_block & -sel_block))
-        cfg = dict(BLOCK_M=TUNING.range_block_m, BLOCK_N=block_n, num_warps=TUNING.range_warps,
+        block_m = TUNING.range_block_m if max(dk, dv) <= 64 else TUNING.range_block_m_wide
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=TUNING.range_block_n, num_warps=TUNING.range_warps,
                    num_stages=TUNING.range_stages)
-    return cfg | dict(ONE_BLOCK=sel_block % cfg["BLOCK_N"] == 0)
+    return cfg
 
 
-def _selection_args(indices: torch.Tensor | None, q: torch.Tensor, sel_block: int) -> tuple[torch.Tensor, tuple, tuple]:
-    """(IDX, its three strides, (sel_block, n_sel)) for the kernels; dummies outside MODE_SEL."""
-    if indices is None:
-        return q, (0, 0, 0), (max(sel_block, 1), 0)
-    return indices, tuple(indices.stride()[:3]), (sel_block, indices.shape[-1])
+def chosen_bits(indices: torch.Tensor, num_sel_blocks: int) -> torch.Tensor:
+    """[B,T,G] int64 with bit j set where the query chose block j: MODE_SEL's form of the selection."""
+    if num_sel_blocks > 64:
+        raise ValueError(f"the tiled selected branch holds at most 64 selection blocks, got {num_sel_blocks}")
+    one = torch.ones((), dtype=torch.int64, device=indices.device)
+    # Distinct blocks per query, so the sum is the bitwise or.
+    return torch.where(indices >= 0, one << indices.clamp_min(0), 0).sum(-1)
 
 
-def _np(indices: torch.Tensor | None) -> int:
-    return max(2, triton.next_power_of_2(indices.shape[-1])) if indices is not None else 2
+def _selection_args(bits: torch.Tensor | None, q: torch.Tensor, sel_block: int) -> tuple[torch.Tensor, tuple, int]:
+    """(chosen bits, their three strides, sel_block) for the kernels; dummies outside MODE_SEL."""
+    if bits is None:
+        return q, (0, 0, 0), max(sel_block, 1)
+    return bits, tuple(bits.stride()[:3]), sel_block
 
 
 def range_attention_fwd(q, k, v, mode: int, scale: float, block_len: int, block_stride: int, window: int,
-                        indices: torch.Tensor | None = None, sel_block: int = 0):
+                        bits: torch.Tensor | None = None, sel_block: int = 0):
     """Branch output [B,T,H,Dv] (q's dtype) and log-sum-exp [B,T,H] (float32, -inf where nothing is visible).
 
-    MODE_SEL needs the selected blocks `indices` [B,T,G,n] and their size `sel_block`.
+    MODE_SEL needs the selection as chosen_bits(indices, ...) and the block size `sel_block`.
     """
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
     h = H // G
     o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    idx, idx_strides, sel = _selection_args(indices, q, sel_block)
-    cfg = _blocks(q, Dk, Dv, mode, sel[0])
+    idx, idx_strides, sel = _selection_args(bits, q, sel_block)
+    cfg = _blocks(q, Dk, Dv)
     grid = (triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)
     _range_fwd_kernel[grid](
         q, k, v, o, lse, idx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        *idx_strides, T, NK, G, h, scale * LOG2E, block_len, block_stride, window, *sel,
-        MODE=mode, **head_dims(Dk, Dv), NP=_np(indices), **cfg,
+        *idx_strides, T, NK, G, h, scale * LOG2E, block_len, block_stride, window, sel,
+        MODE=mode, **head_dims(Dk, Dv), **cfg,
     )
     return o, lse
 
@@ -390,7 +385,7 @@ def _dkdv_splits(total_rows: int, key_tiles: int, programs: int, block_m: int, d
 
 
 def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate: bool, scale: float,
-                        block_len: int, block_stride: int, window: int, indices: torch.Tensor | None = None,
+                        block_len: int, block_stride: int, window: int, bits: torch.Tensor | None = None,
                         sel_block: int = 0):
     """Adds this branch's dQ into dq (float32; overwrites it unless `accumulate`) and returns (dK, dV) in float32.
 
@@ -400,15 +395,15 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
     h = H // G
-    idx, idx_strides, sel = _selection_args(indices, q, sel_block)
-    cfg = _blocks(q, Dk, Dv, mode, sel[0])
-    common = (T, NK, G, h, scale * LOG2E, scale, block_len, block_stride, window, *sel)
+    idx, idx_strides, sel = _selection_args(bits, q, sel_block)
+    cfg = _blocks(q, Dk, Dv)
+    common = (T, NK, G, h, scale * LOG2E, scale, block_len, block_stride, window, sel)
     strides = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         gate.stride(0), gate.stride(1), gate.stride(2), lse.stride(0), lse.stride(1),
     )
-    launch = dict(MODE=mode, **head_dims(Dk, Dv), NP=_np(indices), **cfg)
+    launch = dict(MODE=mode, **head_dims(Dk, Dv), **cfg)
     _range_bwd_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         q, k, v, do, gate, lse, delta, dq, idx, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *idx_strides,
         *common, ACCUMULATE=accumulate, **launch,

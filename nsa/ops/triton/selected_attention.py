@@ -2,7 +2,7 @@
 
 While a sequence has few selection blocks (`Tuning.tiled_max_blocks`), most of each
 query's causal prefix is selected and the branch runs as range_attention's MODE_SEL:
-dense causal tiles that skip the blocks no query of the tile chose. Beyond that:
+dense causal tiles masked by each query's choices. Beyond that:
 
 Query t attends to the tokens s <= t of its group's n selected blocks. Loading each
 query's blocks separately (the paper's per-token gather) reads n * l' keys and values
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
-from .range_attention import MODE_SEL, range_attention_bwd, range_attention_fwd
+from .range_attention import MODE_SEL, chosen_bits, range_attention_bwd, range_attention_fwd
 from .tuning import TUNING
 
 TILED, TOKEN, BLOCKS = "tiled", "per-token", "block-centric"
@@ -327,7 +327,7 @@ def _row_launch(q: torch.Tensor) -> dict:
 def selected_path(seq_len: int, heads_per_group: int, sel_block: int) -> str:
     """TILED while the sequence has few selection blocks; otherwise TOKEN (forward and dQ by per-query
     gathers, h fills the matrix rows) for large groups, BLOCKS for small ones."""
-    if -(-seq_len // sel_block) <= TUNING.tiled_max_blocks:
+    if -(-seq_len // sel_block) <= min(TUNING.tiled_max_blocks, 64):
         return TILED
     return TOKEN if heads_per_group >= TUNING.token_min_heads else BLOCKS
 
@@ -356,7 +356,8 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
     lse_sel = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     opart = lsepart = lse_sel  # the block-centric partials; unused by the other paths
     if path == TILED:
-        o_sel, lse_sel = range_attention_fwd(q, k, v, MODE_SEL, scale, 1, 1, 1, indices=indices, sel_block=sel_block)
+        bits = chosen_bits(indices, -(-T // sel_block))
+        o_sel, lse_sel = range_attention_fwd(q, k, v, MODE_SEL, scale, 1, 1, 1, bits=bits, sel_block=sel_block)
     elif path == TOKEN:
         _sel_token_fwd_kernel[(T, B * G)](
             q, k, v, indices, o_sel, lse_sel, *_strides(q, k, v, indices, o_sel), *lse_sel.stride()[:2],
@@ -392,7 +393,7 @@ def selected_backward(q, k, v, indices, inverse, do, gate, lse, delta, dq, scale
     path = selected_path(T, h, sel_block)
     if path == TILED:
         return range_attention_bwd(q, k, v, do, gate, lse, delta, dq, MODE_SEL, False, scale, 1, 1, 1,
-                                   indices=indices, sel_block=sel_block)
+                                   bits=chosen_bits(indices, -(-T // sel_block)), sel_block=sel_block)
     token = path == TOKEN
     if token:  # its dK/dV is block-centric too; the forward had no use for the index
         inverse = build_inverse_index(indices, T, sel_block)
