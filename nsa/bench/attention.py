@@ -169,11 +169,15 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
 
 
 SWEEP = {
-    "tiled_max_blocks": [0, 1 << 30],
-    "range_block_m": [128],
-    "range_block_n": [32, 128],
+    "range_block_m": [64],
+    "range_block_n": [128],
+    "range_warps": [8],
     "range_stages": [3],
-    "dkdv_programs_per_sm": [16],
+    "dkdv_block_m": [32, 64],
+    "dkdv_block_m_wide": [32],
+    "dkdv_block_n": [128],
+    "dkdv_warps": [8],
+    "tiled_max_blocks": [0, 64],
 }
 """Values tried for each launch parameter (the defaults are measured too)."""
 
@@ -185,8 +189,15 @@ def sweep(shape: str, T: int, batch: int = 1) -> list[dict]:
     H, G, Dk, Dv = SHAPES[shape]
     ins = make_inputs(T, H, G, Dk, Dv, batch=batch)
     step = _fwd_bwd(_nsa(ins), ins)
+    forward = _nsa(ins)
+
+    def measure() -> dict:
+        with torch.no_grad():
+            fwd = _timed(forward)
+        return {"fwd_ms": fwd, "fwdbwd_ms": _timed(step)}
+
     base = dataclasses.replace(tuning.TUNING)
-    rows = [{"shape": shape, "T": T, "param": "defaults", "value": "", "fwdbwd_ms": _timed(step)}]
+    rows = [{"shape": shape, "T": T, "param": "defaults", "value": ""} | measure()]
     try:
         for field, values in SWEEP.items():
             for value in values:
@@ -194,11 +205,11 @@ def sweep(shape: str, T: int, batch: int = 1) -> list[dict]:
                     setattr(tuning.TUNING, f.name, getattr(base, f.name))
                 setattr(tuning.TUNING, field, value)
                 try:
-                    ms = _timed(step)
+                    times = measure()
                 except Exception as e:  # a variant that does not compile (e.g. out of shared memory)
-                    ms = None
+                    times = {}
                     print(f"  {field}={value}: {type(e).__name__}")
-                rows.append({"shape": shape, "T": T, "param": field, "value": value, "fwdbwd_ms": ms})
+                rows.append({"shape": shape, "T": T, "param": field, "value": value} | times)
     finally:
         for f in dataclasses.fields(base):
             setattr(tuning.TUNING, f.name, getattr(base, f.name))
@@ -232,7 +243,7 @@ def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = Tr
         paths += write_results(parts, out_dir, f"attention_components_{T}", meta)
     if sweep_at:
         tuned = [r for T in sweep_at for shape in shapes for r in sweep(shape, T, batch)]
-        print("\n" + format_table(tuned, ["shape", "T", "param", "value", "fwdbwd_ms"]))
+        print("\n" + format_table(tuned, ["shape", "T", "param", "value", "fwd_ms", "fwdbwd_ms"]))
         paths += write_results(tuned, out_dir, "attention_sweep", meta)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return rows

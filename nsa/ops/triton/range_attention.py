@@ -324,14 +324,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _blocks(q: torch.Tensor, dk: int, dv: int) -> dict:
+def _blocks(q: torch.Tensor, dk: int, dv: int, dkdv: bool = False) -> dict:
+    """Tile sizes of the forward/dQ kernels (query rows x key step), or with `dkdv` of the dK/dV kernel."""
     if q.device.type != "cuda":
-        cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
-    else:
-        block_m = TUNING.range_block_m if max(dk, dv) <= 64 else TUNING.range_block_m_wide
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=TUNING.range_block_n, num_warps=TUNING.range_warps,
-                   num_stages=TUNING.range_stages)
-    return cfg
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
+    wide = max(dk, dv) > 64
+    if dkdv:
+        return dict(BLOCK_M=TUNING.dkdv_block_m_wide if wide else TUNING.dkdv_block_m, BLOCK_N=TUNING.dkdv_block_n,
+                    num_warps=TUNING.dkdv_warps, num_stages=TUNING.range_stages)
+    return dict(BLOCK_M=TUNING.range_block_m_wide if wide else TUNING.range_block_m, BLOCK_N=TUNING.range_block_n,
+                num_warps=TUNING.range_warps, num_stages=TUNING.range_stages)
 
 
 def chosen_bits(indices: torch.Tensor, num_sel_blocks: int) -> torch.Tensor:
@@ -403,11 +405,12 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         gate.stride(0), gate.stride(1), gate.stride(2), lse.stride(0), lse.stride(1),
     )
-    launch = dict(MODE=mode, **head_dims(Dk, Dv), **cfg)
+    dims = dict(MODE=mode, **head_dims(Dk, Dv))
     _range_bwd_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         q, k, v, do, gate, lse, delta, dq, idx, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *idx_strides,
-        *common, ACCUMULATE=accumulate, **launch,
+        *common, ACCUMULATE=accumulate, **dims, **cfg,
     )
+    cfg = _blocks(q, Dk, Dv, dkdv=True)
     key_tiles = triton.cdiv(NK, cfg["BLOCK_N"])
     if mode == MODE_WIN:
         splits, rows_per_split = 1, T * h
@@ -420,6 +423,6 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
         _range_bwd_dkdv_kernel[(key_tiles, splits, B * G)](
             q, k, v, do, gate, lse, delta, dk_out, dv_out, idx, *strides,
             dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-            *idx_strides, *common, rows_per_split, ATOMIC=splits > 1, **launch,
+            *idx_strides, *common, rows_per_split, ATOMIC=splits > 1, **dims, **cfg,
         )
     return dk_out, dv_out

@@ -12,15 +12,22 @@ from dataclasses import dataclass
 @dataclass
 class Tuning:
     range_block_m: int = 128
-    """(token, head) rows per program of the compressed/window/tiled-selected kernels at head dims up to 64."""
+    """(token, head) rows per program of the compressed/window/tiled-selected forward and dQ kernels at head
+    dims up to 64 (measured on H200 at 2k x 16 for all three kernels together: 128 rows are 1.1x faster at
+    D=64 than 64, 1.7x slower at D=128)."""
     range_block_m_wide: int = 64
-    """The same above head dim 64 (measured on H200 at 2k x 16: 128 rows are 1.3x faster at D=64, 1.7x slower
-    at D=128)."""
+    """The same above head dim 64."""
     range_block_n: int = 64
-    """Keys per inner step of the compressed/window kernels (measured on H200, bf16, 2k x 16: 64 beats 32 by
-    1.4x at head dim 128 and by 1.1x at 64)."""
+    """Keys per inner step of those kernels (measured as above: 64 beats 32 by 1.4x at D=128, 1.1x at D=64)."""
     range_warps: int = 4
     range_stages: int = 2
+    dkdv_block_m: int = 128
+    """(token, head) rows per inner step of their dK/dV kernel, head dims up to 64."""
+    dkdv_block_m_wide: int = 64
+    """The same above head dim 64."""
+    dkdv_block_n: int = 64
+    """Keys per program of the dK/dV kernel."""
+    dkdv_warps: int = 4
     cmp_rows_per_split: int = 8192
     """Most (token, head) rows per program of the compressed/selected dK/dV kernel (32 under the CPU interpreter)."""
     dkdv_programs_per_sm: int = 4
