@@ -10,7 +10,7 @@ import torch
 
 from helpers import NAMES, assert_same_selection, nsa_inputs
 from nsa.ops import nsa_attention, reference, select_blocks
-from nsa.ops.triton.range_attention import MODE_CMP, range_attention_fwd
+from nsa.ops.triton.range_attention import MODE_CMP, chosen_bits, range_attention_fwd
 from nsa.ops.triton import tuning
 from nsa.ops.triton.selected_attention import BLOCKS, TILED, TOKEN, inverse_index, selected_path
 from nsa.ops.triton.selection import select_blocks_fwd
@@ -48,6 +48,15 @@ def test_selected_path_is_tiled_while_blocks_are_few_then_by_group_size():
     assert selected_path(few * 64, 6, 64) == TILED
     assert selected_path(few * 64 + 1, 6, 64) == BLOCKS
     assert selected_path(few * 64 + 1, 16, 64) == TOKEN
+
+
+def test_chosen_bits_mark_exactly_the_chosen_blocks():
+    idx = torch.tensor([[[[0, 5, -1], [63, 2, 1]]]])  # [B=1, T=1, G=2, n=3]
+    bits = chosen_bits(idx, 64)
+    as_int64 = (1 << 63 | 1 << 2 | 1 << 1) - (1 << 64)  # bit 63 is the sign bit; the kernels shift and mask
+    assert bits.tolist() == [[[1 | 1 << 5, as_int64]]]
+    with pytest.raises(ValueError, match="at most 64"):
+        chosen_bits(idx, 65)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[1]}-h{c[2] // c[3]}" for c in CASES])
