@@ -54,9 +54,22 @@ def _chosen(BITS, off, row_ok):
 
 
 @triton.jit
-def _picked(bits, kidx, sel_block):
-    """[rows, keys]: whether each row chose each key's block."""
-    return ((bits[:, None] >> (kidx // sel_block)[None, :]) & 1) != 0
+def _picked(bits, first_key, kidx, sel_block, ONE_BLOCK: tl.constexpr):
+    """Whether each row chose each key's block: [rows, 1] when all keys share first_key's block (one shift
+    per row; 64-bit shifts are several instructions), else [rows, keys]."""
+    if ONE_BLOCK:
+        return (((bits >> (first_key // sel_block)) & 1) != 0)[:, None]
+    else:
+        return ((bits[:, None] >> (kidx // sel_block)[None, :]) & 1) != 0
+
+
+@triton.jit
+def _picked_t(bits, first_key, kidx, sel_block, ONE_BLOCK: tl.constexpr):
+    """_picked transposed: [1, rows] or [keys, rows]."""
+    if ONE_BLOCK:
+        return (((bits >> (first_key // sel_block)) & 1) != 0)[None, :]
+    else:
+        return ((bits[None, :] >> (kidx // sel_block)[:, None]) & 1) != 0
 
 
 @triton.jit
@@ -90,7 +103,7 @@ def _interior(first, last, lo, hi, step, ALIGN_HI: tl.constexpr):
 
 @triton.jit
 def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block, dk, dv,
-              scale_log2, m_i, l_i, acc, MASKED: tl.constexpr, MODE: tl.constexpr,
+              scale_log2, m_i, l_i, acc, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
               DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over key steps [first, last); MASKED applies each row's visible range (and choice)."""
     for start in range(first, last, BLOCK_N):
@@ -102,7 +115,7 @@ def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok
         if MASKED:
             visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
             if MODE == 2:
-                visible = visible & _picked(chosen, kidx, sel_block)
+                visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
             s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
     return m_i, l_i, acc
@@ -119,7 +132,7 @@ def _range_fwd_kernel(
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sob, sot, soh, slb, slt, sib, sit, sig,
     T, NK, G, h, scale_log2, block_len, block_stride, window, sel_block,
     MODE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
@@ -143,11 +156,11 @@ def _range_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen, sel_block,
-                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, DK, DV, BLOCK_N)
+                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, a, e, lo, hi, row_ok, chosen, sel_block,
-                              dk, dv, scale_log2, m_i, l_i, acc, False, MODE, DK, DV, BLOCK_N)
+                              dk, dv, scale_log2, m_i, l_i, acc, False, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen, sel_block,
-                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, DK, DV, BLOCK_N)
+                              dk, dv, scale_log2, m_i, l_i, acc, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
     out, lse = softmax_finish(m_i, l_i, acc)
     store_tile(O, b * sob + t * sot + head * soh, dv, row_ok, out, DV)
     tl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
@@ -155,7 +168,7 @@ def _range_fwd_kernel(
 
 @triton.jit
 def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block,
-             dk, dv, scale_log2, dq, MASKED: tl.constexpr, MODE: tl.constexpr,
+             dk, dv, scale_log2, dq, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
              DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
     for start in range(first, last, BLOCK_N):
         kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -166,7 +179,7 @@ def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last
         if MASKED:
             visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
             if MODE == 2:
-                visible = visible & _picked(chosen, kidx, sel_block)
+                visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
             p = tl.where(visible, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -181,6 +194,7 @@ def _range_bwd_dq_kernel(
     T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block,
     MODE: tl.constexpr, ACCUMULATE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
@@ -204,11 +218,11 @@ def _range_bwd_dq_kernel(
     v_base = b * svb + g * svg
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen,
-                  sel_block, dk, dv, scale_log2, dq, True, MODE, DK, DV, BLOCK_N)
+                  sel_block, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, a, e, lo, hi, row_ok, chosen,
-                  sel_block, dk, dv, scale_log2, dq, False, MODE, DK, DV, BLOCK_N)
+                  sel_block, dk, dv, scale_log2, dq, False, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen,
-                  sel_block, dk, dv, scale_log2, dq, True, MODE, DK, DV, BLOCK_N)
+                  sel_block, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
     dq = dq * scale
     dq_off = b * sdqb + t * sdqt + head * sdqh
     if ACCUMULATE:
@@ -220,7 +234,7 @@ def _range_bwd_dq_kernel(
 def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, first, last, split_hi,
                sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
                block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
-               MASKED: tl.constexpr, MODE: tl.constexpr,
+               MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
                DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr):
     """dK/dV of one key tile over (token, head) row steps [first, last)."""
     for r0 in range(first, last, BLOCK_M):
@@ -238,7 +252,7 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h,
             visible = visible & k_ok[:, None]
             if MODE == 2:
                 bits = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
-                visible = visible & (((bits[None, :] >> (kidx // sel_block)[:, None]) & 1) != 0)
+                visible = visible & _picked_t(bits, k_first, kidx, sel_block, ONE_BLOCK)
             pt = tl.where(visible, pt, 0.0)
         dv_acc += tl.dot(pt.to(do.dtype), do)
         dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
@@ -254,6 +268,7 @@ def _range_bwd_dkdv_kernel(
     T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
     MODE: tl.constexpr, ATOMIC: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -296,15 +311,15 @@ def _range_bwd_dkdv_kernel(
     dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, row_start, a,
                                 split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
-                                True, MODE, DK, DV, BLOCK_M)
+                                True, MODE, ONE_BLOCK, DK, DV, BLOCK_M)
     dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, a, e,
                                 split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
-                                False, MODE, DK, DV, BLOCK_M)
+                                False, MODE, ONE_BLOCK, DK, DV, BLOCK_M)
     dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, e, split_hi,
                                 split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
-                                True, MODE, DK, DV, BLOCK_M)
+                                True, MODE, ONE_BLOCK, DK, DV, BLOCK_M)
     dk_acc = dk_acc * scale
     dk_off = b * sdkb + g * sdkg + kidx * sdkt
     dv_off = b * sdvb + g * sdvg + kidx * sdvt
@@ -371,7 +386,7 @@ def range_attention_fwd(q, k, v, mode: int, scale: float, block_len: int, block_
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         *idx_strides, T, NK, G, h, scale * LOG2E, block_len, block_stride, window, sel,
-        MODE=mode, **head_dims(Dk, Dv), **cfg,
+        MODE=mode, **head_dims(Dk, Dv), ONE_BLOCK=sel % cfg["BLOCK_N"] == 0, **cfg,
     )
     return o, lse
 
@@ -408,7 +423,7 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
     dims = dict(MODE=mode, **head_dims(Dk, Dv))
     _range_bwd_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         q, k, v, do, gate, lse, delta, dq, idx, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *idx_strides,
-        *common, ACCUMULATE=accumulate, **dims, **cfg,
+        *common, ACCUMULATE=accumulate, ONE_BLOCK=sel % cfg["BLOCK_N"] == 0, **dims, **cfg,
     )
     cfg = _blocks(q, Dk, Dv, dkdv=True)
     key_tiles = triton.cdiv(NK, cfg["BLOCK_N"])
@@ -423,6 +438,7 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
         _range_bwd_dkdv_kernel[(key_tiles, splits, B * G)](
             q, k, v, do, gate, lse, delta, dk_out, dv_out, idx, *strides,
             dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-            *idx_strides, *common, rows_per_split, ATOMIC=splits > 1, **dims, **cfg,
+            *idx_strides, *common, rows_per_split, ATOMIC=splits > 1, ONE_BLOCK=sel % cfg["BLOCK_N"] == 0,
+            **dims, **cfg,
         )
     return dk_out, dv_out
