@@ -74,6 +74,13 @@ def test_triton_nsa_matches_reference_forward_and_every_gradient(case, sel_path)
         torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["T203-h1", "T37-h3"])
+def test_fused_dq_backward_matches_the_reference(case, sel_path, monkeypatch):
+    # The one-kernel backward of the range kernels (dQ by atomics), for every branch that uses them.
+    monkeypatch.setattr(tuning.TUNING, "fused_dq", True)
+    test_triton_nsa_matches_reference_forward_and_every_gradient(case, sel_path)
+
+
 def test_triton_nsa_in_half_precision(sel_path):
     hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
     ins = inputs(1, 33, 4, 2, 16, 16, block_len=8, block_stride=4, seed=1, dtype=torch.float16, requires_grad=True)

@@ -178,6 +178,7 @@ SWEEP = {
     "dkdv_block_n": [128],
     "dkdv_warps": [8],
     "tiled_max_blocks": [0, 64],
+    "fused_dq": [True],
 }
 """Values tried for each launch parameter (the defaults are measured too)."""
 
