@@ -179,6 +179,7 @@ SWEEP = {
     "dkdv_warps": [8],
     "tiled_max_blocks": [0, 64],
     "fused_dq": [True],
+    "select_block_t": [8, 32],
 }
 """Values tried for each launch parameter (the defaults are measured too)."""
 
