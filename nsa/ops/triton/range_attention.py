@@ -15,7 +15,12 @@ matrix units without padding, and every loaded key/value tile serves all h heads
 
 Forward writes the branch output and its log-sum-exp; backward is split into a dQ
 kernel (one program per row tile) and a dK/dV kernel (one program per key tile,
-looping over the rows that see it), so no atomics are needed.
+looping over the rows that see it; compressed and selected key tiles split those rows
+over several programs that add with float32 atomics). `Tuning.fused_dq` instead adds
+dQ atomically from the dK/dV kernel and skips the dQ kernel.
+
+Each loop runs as masked edges around a mask-free interior (keys every row of the tile
+sees), three loops without branches inside, so Triton can pipeline their loads.
 """
 
 from __future__ import annotations
