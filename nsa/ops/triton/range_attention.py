@@ -107,28 +107,56 @@ def _interior(first, last, lo, hi, step, ALIGN_HI: tl.constexpr):
 
 
 @triton.jit
+def _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK: tl.constexpr, DV: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Key indices and the K, V tiles of the key step at `start` (keys outside 0..NK-1 read 0)."""
+    kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+    k_ok = (kidx >= 0) & (kidx < NK)
+    return kidx, load_tile(K, k_base + kidx * skt, dk, k_ok, DK), load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
+
+
+@triton.jit
+def _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """[rows, keys]: each row's visible range, and for MODE_SEL its choices."""
+    visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
+    if MODE == 2:
+        visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+    return visible
+
+
+@triton.jit
 def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block, dk, dv,
               scale_log2, m_i, l_i, acc, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
               DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over key steps [first, last); MASKED applies each row's visible range (and choice)."""
     for start in range(first, last, BLOCK_N):
-        kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k_ok = (kidx >= 0) & (kidx < NK)
-        k = load_tile(K, k_base + kidx * skt, dk, k_ok, DK)
-        v = load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
+        kidx, k, v = _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK, DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         if MASKED:
-            visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
-            if MODE == 2:
-                visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+            visible = _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK)
             s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _tile_rows_tokens(pid_m, T, h, BLOCK_M: tl.constexpr):
-    return (pid_m * BLOCK_M) // h, tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
+def _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constexpr, block_len, block_stride, window,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For a tile of query rows: each row's key range, the tile's key steps [k_start, k_end), the rows' choices
+    (MODE_SEL), and the mask-free interior [a, e) (none for MODE_SEL: every step is masked by the choices)."""
+    lo, hi = _key_range(t, MODE, block_len, block_stride, window)
+    k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
+    t_first = (pid_m * BLOCK_M) // h
+    t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
+    if MODE == 2:
+        chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
+        a, e = k_end, k_end
+    else:
+        chosen = row_ok.to(tl.int64)
+        full_lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
+        _, full_hi = _key_range(t_first, MODE, block_len, block_stride, window)
+        a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
+    return lo, hi, k_start, k_end, chosen, a, e
 
 
 @triton.jit
@@ -144,17 +172,8 @@ def _range_fwd_kernel(
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
-    lo, hi = _key_range(t, MODE, block_len, block_stride, window)
-    k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
-    t_first, t_last = _tile_rows_tokens(pid_m, T, h, BLOCK_M)
-    if MODE == 2:  # every step is masked by the rows' choices
-        chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
-        a, e = k_end, k_end
-    else:
-        chosen = row_ok.to(tl.int64)
-        full_lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
-        _, full_hi = _key_range(t_first, MODE, block_len, block_stride, window)
-        a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
+    lo, hi, k_start, k_end, chosen, a, e = _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE,
+                                                     block_len, block_stride, window, BLOCK_M, BLOCK_N)
     k_base = b * skb + g * skg
     v_base = b * svb + g * svg
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -176,15 +195,10 @@ def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last
              dk, dv, scale_log2, dq, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
              DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
     for start in range(first, last, BLOCK_N):
-        kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k_ok = (kidx >= 0) & (kidx < NK)
-        k = load_tile(K, k_base + kidx * skt, dk, k_ok, DK)
-        v = load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
+        kidx, k, v = _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK, DV, BLOCK_N)
         p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])
         if MASKED:
-            visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
-            if MODE == 2:
-                visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+            visible = _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK)
             p = tl.where(visible, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -208,17 +222,8 @@ def _range_bwd_dq_kernel(
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
     do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
                                      b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
-    lo, hi = _key_range(t, MODE, block_len, block_stride, window)
-    k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
-    t_first, t_last = _tile_rows_tokens(pid_m, T, h, BLOCK_M)
-    if MODE == 2:
-        chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
-        a, e = k_end, k_end
-    else:
-        chosen = row_ok.to(tl.int64)
-        full_lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
-        _, full_hi = _key_range(t_first, MODE, block_len, block_stride, window)
-        a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
+    lo, hi, k_start, k_end, chosen, a, e = _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE,
+                                                     block_len, block_stride, window, BLOCK_M, BLOCK_N)
     k_base = b * skb + g * skg
     v_base = b * svb + g * svg
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
