@@ -39,7 +39,8 @@ CASES = [
 @pytest.fixture(params=["tiled", "gathered"])
 def sel_path(request, monkeypatch):
     """Run the selected branch tiled (short-T path) or gathered (per-token or block-centric, by group size)."""
-    monkeypatch.setattr(tuning.TUNING, "tiled_max_blocks", 10**9 if request.param == "tiled" else 0)
+    for field in ("tiled_max_blocks", "tiled_max_blocks_large_groups"):
+        monkeypatch.setattr(tuning.TUNING, field, 10**9 if request.param == "tiled" else 0)
     return request.param
 
 
@@ -47,6 +48,8 @@ def test_selected_path_is_tiled_while_blocks_are_few_then_by_group_size():
     few = min(tuning.TUNING.tiled_max_blocks, 64)
     assert selected_path(few * 64, 6, 64) == TILED
     assert selected_path(few * 64 + 1, 6, 64) == BLOCKS
+    few = min(tuning.TUNING.tiled_max_blocks_large_groups, 64)
+    assert selected_path(few * 64, 16, 64) == TILED
     assert selected_path(few * 64 + 1, 16, 64) == TOKEN
 
 

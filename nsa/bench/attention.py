@@ -178,6 +178,7 @@ SWEEP = {
     "dkdv_block_n": [128],
     "dkdv_warps": [8],
     "tiled_max_blocks": [0, 64],
+    "tiled_max_blocks_large_groups": [0, 32],
     "fused_dq": [True],
     "select_block_t": [8, 32],
 }

@@ -1,6 +1,6 @@
 """The selected branch, computed block-centrically in both directions (tiled at short T).
 
-While a sequence has few selection blocks (`Tuning.tiled_max_blocks`), most of each
+While a sequence has few selection blocks (`Tuning.tiled_max_blocks*`), most of each
 query's causal prefix is selected and the branch runs as range_attention's MODE_SEL:
 dense causal tiles masked by each query's choices. Beyond that:
 
@@ -327,9 +327,11 @@ def _row_launch(q: torch.Tensor) -> dict:
 def selected_path(seq_len: int, heads_per_group: int, sel_block: int) -> str:
     """TILED while the sequence has few selection blocks; otherwise TOKEN (forward and dQ by per-query
     gathers, h fills the matrix rows) for large groups, BLOCKS for small ones."""
-    if -(-seq_len // sel_block) <= min(TUNING.tiled_max_blocks, 64):
+    large = heads_per_group >= TUNING.token_min_heads
+    most = TUNING.tiled_max_blocks_large_groups if large else TUNING.tiled_max_blocks
+    if -(-seq_len // sel_block) <= min(most, 64):
         return TILED
-    return TOKEN if heads_per_group >= TUNING.token_min_heads else BLOCKS
+    return TOKEN if large else BLOCKS
 
 
 def build_inverse_index(indices: torch.Tensor, seq_len: int, sel_block: int, chunk: int | None = None):

@@ -39,6 +39,9 @@ class Tuning:
     """The selected branch runs tiled (dense causal tiles masked by the choices, like the window branch) while a
     sequence has at most this many selection blocks (64 at most), gathered beyond (measured on H200, M7C, 16
     sequences: tiled 1.15x faster at 2k, 1.2x slower at 4k)."""
+    tiled_max_blocks_large_groups: int = 64
+    """The same where the gathered path would be per-query (h >= token_min_heads; measured on H200, paper shape,
+    16 sequences at 4k: tiled 1.08x faster)."""
     select_block_t: int = 16
     """Tokens per program of the selection kernel."""
     select_warps: int = 4
