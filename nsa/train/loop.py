@@ -259,6 +259,7 @@ class Trainer:
         """Act on an agreed stop request: raise on non-finite numbers; True when a HALT file asks to stop."""
         if decision is None or not decision.stop:
             return False
+        self.stops.settle()  # every rank queued the same later requests; none may outlive the process group
         if decision.bad_step >= 0:
             self._halt_non_finite(decision.bad_step)
         return True

@@ -54,6 +54,11 @@ class StopRequests:
         else:
             self._pending.append((step, request, None, work))
 
+    def settle(self) -> None:
+        """Wait for every queued request. A run that stops early leaves later ones queued, and async work never
+        waited for can abort the process when the process group goes away."""
+        self.decision(0, final=True)
+
     def decision(self, step: int, final: bool = False) -> StopDecision | None:
         """The decision due at this step (requested LAG steps ago), or with final=True all pending ones
         combined; None when none is due. Every rank must call this at the same steps."""
