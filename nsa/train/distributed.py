@@ -7,6 +7,7 @@ collectives have a timeout so a lost rank fails the job instead of hanging it.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -136,6 +137,10 @@ def shutdown(info: DistInfo, finished: bool = True) -> None:
     if not (info.distributed and dist.is_initialized()):
         return
     if finished:
+        # DDP/FSDP modules in reference cycles would keep the process group, and gloo's worker threads with
+        # their tensors, alive until interpreter teardown, where freeing them aborts the process
+        # ("terminate called without an active exception"). Free them while Python is whole.
+        gc.collect()
         try:
             dist.barrier()
         finally:
