@@ -87,17 +87,6 @@ def _rows(pid_m, pid_bg, T, G, h, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_key_span(pid_m, T, h, MODE: tl.constexpr, block_len, block_stride, window, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """First (aligned to BLOCK_N) and one-past-last key any row of this tile can see."""
-    t_first = (pid_m * BLOCK_M) // h
-    t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
-    lo_tile, _ = _key_range(t_first, MODE, block_len, block_stride, window)
-    _, hi_tile = _key_range(t_last, MODE, block_len, block_stride, window)
-    return (lo_tile // BLOCK_N) * BLOCK_N, hi_tile + 1
-
-
-@triton.jit
 def _interior(first, last, lo, hi, step, ALIGN_HI: tl.constexpr):
     """Split [first, last) (first a multiple of step) at a (>= lo) and e (<= hi + 1) so that the steps of
     [a, e) lie inside [lo, hi]: [first, a) and [e, last) then need masks, [a, e) does not."""
@@ -145,16 +134,18 @@ def _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constex
     """For a tile of query rows: each row's key range, the tile's key steps [k_start, k_end), the rows' choices
     (MODE_SEL), and the mask-free interior [a, e) (none for MODE_SEL: every step is masked by the choices)."""
     lo, hi = _key_range(t, MODE, block_len, block_stride, window)
-    k_start, k_end = _tile_key_span(pid_m, T, h, MODE, block_len, block_stride, window, BLOCK_M, BLOCK_N)
     t_first = (pid_m * BLOCK_M) // h
     t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
+    # Keys any row sees: from the first token's first to the last token's last (the start aligned to BLOCK_N).
+    span_lo, full_hi = _key_range(t_first, MODE, block_len, block_stride, window)
+    full_lo, span_hi = _key_range(t_last, MODE, block_len, block_stride, window)
+    k_start = (span_lo // BLOCK_N) * BLOCK_N
+    k_end = span_hi + 1
     if MODE == 2:
         chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
         a, e = k_end, k_end
     else:
         chosen = row_ok.to(tl.int64)
-        full_lo, _ = _key_range(t_last, MODE, block_len, block_stride, window)
-        _, full_hi = _key_range(t_first, MODE, block_len, block_stride, window)
         a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
     return lo, hi, k_start, k_end, chosen, a, e
 
