@@ -117,6 +117,7 @@ def _cmd_bench_attention(ns: argparse.Namespace) -> int:
     attention.run(
         shapes=ns.shapes.split(","), lengths=ns.lengths, out_dir=ns.out, backward=not ns.forward_only,
         use_fla=not ns.no_fla, breakdown_at=ns.components, sweep_at=ns.sweep, batch=ns.batch,
+        sweep_params=[p for p in ns.sweep_params.split(",") if p],
     )
     return 0
 
@@ -221,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time every forward/backward stage at these lengths")
     p.add_argument("--sweep", type=_int_list, default=[], metavar="T,...",
                    help="also time forward+backward as each kernel launch parameter varies, at these lengths")
+    p.add_argument("--sweep-params", default="", metavar="NAME,...",
+                   help="only these launch parameters in --sweep (default: all; see nsa/ops/triton/tuning.py)")
     p.add_argument("--batch", type=int, default=1, help="sequences per call (the tables use 1)")
     p.set_defaults(func=_cmd_bench_attention)
 

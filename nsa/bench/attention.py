@@ -179,14 +179,14 @@ SWEEP = {
     "dkdv_warps": [8],
     "tiled_max_blocks": [0, 64],
     "tiled_max_blocks_large_groups": [0, 32],
-    "fused_dq": [True],
     "select_block_t": [8, 32],
 }
 """Values tried for each launch parameter (the defaults are measured too)."""
 
 
-def sweep(shape: str, T: int, batch: int = 1) -> list[dict]:
-    """Forward+backward time as each launch parameter varies alone around the defaults."""
+def sweep(shape: str, T: int, batch: int = 1, params: list[str] | None = None) -> list[dict]:
+    """Forward+backward time as each launch parameter (all of SWEEP, or `params`) varies alone around the
+    defaults."""
     from ..ops.triton import tuning
 
     H, G, Dk, Dv = SHAPES[shape]
@@ -203,6 +203,8 @@ def sweep(shape: str, T: int, batch: int = 1) -> list[dict]:
     rows = [{"shape": shape, "T": T, "param": "defaults", "value": ""} | measure()]
     try:
         for field, values in SWEEP.items():
+            if params and field not in params:
+                continue
             for value in values:
                 for f in dataclasses.fields(base):
                     setattr(tuning.TUNING, f.name, getattr(base, f.name))
@@ -220,11 +222,15 @@ def sweep(shape: str, T: int, batch: int = 1) -> list[dict]:
 
 
 def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = True, use_fla: bool = True,
-        breakdown_at: list[int] | None = None, sweep_at: list[int] | None = None, batch: int = 1) -> list[dict]:
+        breakdown_at: list[int] | None = None, sweep_at: list[int] | None = None, batch: int = 1,
+        sweep_params: list[str] | None = None) -> list[dict]:
     if not torch.cuda.is_available():
         raise UserError("nsa bench attention needs a CUDA GPU")
     if batch < 1:
         raise UserError(f"--batch must be at least 1, got {batch}")
+    unknown_params = [p for p in sweep_params or [] if p not in SWEEP]
+    if unknown_params:
+        raise UserError(f"unknown sweep parameter(s) {unknown_params}; choose from {', '.join(SWEEP)}")
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise UserError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
@@ -245,7 +251,7 @@ def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = Tr
         print("\n" + format_table(parts, ["shape", "T", "stage", "ms"]))
         paths += write_results(parts, out_dir, f"attention_components_{T}", meta)
     if sweep_at:
-        tuned = [r for T in sweep_at for shape in shapes for r in sweep(shape, T, batch)]
+        tuned = [r for T in sweep_at for shape in shapes for r in sweep(shape, T, batch, sweep_params)]
         print("\n" + format_table(tuned, ["shape", "T", "param", "value", "fwd_ms", "fwdbwd_ms"]))
         paths += write_results(tuned, out_dir, "attention_sweep", meta)
     print("\nwrote " + ", ".join(str(p) for p in paths))

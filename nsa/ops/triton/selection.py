@@ -32,6 +32,15 @@ def _overlap(tok_start, j, block_len, sel_block, block_stride):
 
 
 @triton.jit
+def _merge_top(best, key):
+    """The K largest of best (sorted descending) and the chunk's K keys, sorted descending."""
+    # Elementwise max of a descending and an ascending list is a bitonic sequence holding the K largest of
+    # both (the first half-cleaner of a bitonic merge); one bitonic merge sorts it. Sorting only the new keys
+    # and merging is cheaper than a top-K over both lists (measured on H100: scoring 4.7 -> 3.9 ms, M7C at 64k).
+    return tl.bitonic_merge(tl.maximum(best, tl.sort(key)), descending=True)
+
+
+@triton.jit
 def _select_kernel(
     Q, KC, LSE, IDX,
     sqb, sqt, sqh, skb, skt, skg, slb, slt, sib, sit, sig,
@@ -62,12 +71,17 @@ def _select_kernel(
 
     jj = tl.arange(0, K)
     ci_local = tl.arange(0, C)
+    # Overlap weights are the same for every chunk (a chunk starts at a multiple of l'), so they are built once.
+    starts = (ci_local * block_stride)[:, None]
+    in_chunk = (ci_local < chunk_tokens)[:, None]
+    w_cur = tl.where(in_chunk, _overlap(starts, jj[None, :], block_len, sel_block, block_stride), 0.0)
+    w_nxt = tl.where(in_chunk, _overlap(starts, (K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
     best = tl.full([BLOCK_T, K], -1, tl.int64)
     carry = tl.zeros([BLOCK_T, K], tl.float32)
     kbase = KC + b * skb + g * skg
     for c in range(n_chunks):
         j0 = c * K
-        ci = (j0 * sel_block) // block_stride + ci_local  # compressed tokens starting in this chunk
+        ci = c * chunk_tokens + ci_local  # compressed tokens starting in this chunk
         ci_ok = (ci_local < chunk_tokens) & (ci < NC)
         kc = tl.load(kbase + ci.to(tl.int64)[:, None] * skt + dk[None, :],
                      mask=ci_ok[:, None] & (dk[None, :] < DK), other=0.0)
@@ -75,9 +89,6 @@ def _select_kernel(
         visible = (ci[None, :] * block_stride + block_len - 1 <= rt[:, None]) & ci_ok[None, :] & row_ok[:, None]
         p = tl.exp2(tl.where(visible, s - lse2[:, None], float("-inf")))
         p_tok = tl.sum(tl.reshape(p, [BLOCK_T, HP, C]), axis=1)  # group sum over heads
-        starts = (ci * block_stride)[:, None]
-        w_cur = tl.where(ci_ok[:, None], _overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
-        w_nxt = tl.where(ci_ok[:, None], _overlap(starts, (j0 + K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
         # Exact fp32 products: the ranking must match the reference's, ties included.
         score = tl.dot(p_tok, w_cur, input_precision="ieee") + carry
         carry = tl.dot(p_tok, w_nxt, input_precision="ieee")
@@ -88,8 +99,7 @@ def _select_kernel(
         bits = score.to(tl.int32, bitcast=True).to(tl.int64)
         bits = tl.where(forced, 0x7F800000, bits)
         key = bits * 4294967296 + (4294967295 - j)
-        key = tl.where(candidate, key, -1)
-        best = tl.topk(tl.reshape(tl.join(best, key), [BLOCK_T, 2 * K]), K)
+        best = _merge_top(best, tl.where(candidate, key, -1))
 
     # `best` is sorted by key, descending: keep the first n_sel, then order them by block index.
     chosen = tl.where((best >= 0) & (jj[None, :] < n_sel), 4294967295 - (best & 4294967295), -1)

@@ -28,9 +28,6 @@ class Tuning:
     dkdv_block_n: int = 64
     """Keys per program of the dK/dV kernel."""
     dkdv_warps: int = 4
-    fused_dq: bool = False
-    """Compressed/window/tiled-selected backward in one kernel per key tile, adding dQ with float32 atomics
-    (5 matrix products per tile pair instead of 7 over two kernels). Not yet measured on a GPU."""
     cmp_rows_per_split: int = 8192
     """Most (token, head) rows per program of the compressed/selected dK/dV kernel (32 under the CPU interpreter)."""
     dkdv_programs_per_sm: int = 4
