@@ -131,6 +131,13 @@ def test_retrieval_source_resumes_exactly_and_validation_differs():
     texts = [ByteTokenizer().decode(row.tolist()) for row in y]
     assert all(" is " in t[-12:] for t in texts)  # every row ends with its answer
 
+    # data.retrieval.loss=answer: the same inputs, and targets only on the answer (" NNNNN": 6 bytes at the end).
+    full = RetrievalBatches(tasks, "passkey", 200, 3, seed=5).next_batch()
+    x, y = RetrievalBatches(tasks, "passkey", 200, 3, seed=5, answer_only=True).next_batch()
+    kept = y != -1
+    assert torch.equal(x, full[0]) and kept[:, -6:].all() and (kept.sum(1) == 6).all()
+    assert torch.equal(y[kept], full[1][kept])
+
     cfg = load_config(None, ["data.source=retrieval", "data.retrieval.task=passkey", "train.seq_len=256"])
     data = build_data(cfg.data, ByteTokenizer(), 256, 2, 2, seed=9)
     train_x, _ = data.train.next_batch()
@@ -262,7 +269,7 @@ def test_compare_two_runs(runs, tmp_path):
     for name in ("loss.png", "retrieval_passkey.png", "gates.png"):
         assert_png(tmp_path / "cmp" / name)
         assert f"![]({name})" in text
-    assert "| nsa | nsa | 1337 | 6 |" in text and "| dense | dense | 1337 | 6 |" in text
+    assert "| nsa | nsa | 1337 | 6 |" in text and "| dense | dense | 1337 | 6 |" in text and ") at step 6 |" in text
     assert "**Margin:** NSA's mean validation loss is" in text
     assert "| nsa (nsa) |" in text and "| dense (dense) |" in text  # both heatmaps' rows
     assert "| nsa | 6 |" in text and "all three used?" in text  # the NSA run's gates; dense has none
@@ -304,7 +311,7 @@ def test_compare_shows_the_seed_spread_the_margin_and_unused_branches(tmp_path):
     assert "| nsa-s1 | 40 | 0.350 | 0.450 | 0.550 | yes |" in text
     assert f"| nsa-s2 | 40 | 0.015 | 0.450 | 0.550 | no (compressed below {USED_GATE}) |" in text
     assert "layer 0: compressed gate collapsed" in text
-    assert "No run has eval/eval.csv" in text and not (tmp_path / "out" / "retrieval_passkey.png").exists()
+    assert "No run has retrieval results" in text and not (tmp_path / "out" / "retrieval_passkey.png").exists()
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -339,6 +346,7 @@ def test_user_errors_exit_2_with_one_line(runs, tmp_path, capsys):
 # ------------------------------------------------------------------------------------- the recipe script
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_learn_check_smoke_runs_end_to_end(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out")}

@@ -17,6 +17,11 @@ class RetrievalConfig:
     kv_pairs: int = 8
     """Key-value pairs per kv example (the queried one and distractors; fewer where they would fill more than
     half of the sequence). `nsa eval` uses the same number."""
+    loss: Literal["all", "answer"] = "all"
+    """'all': the next-token loss on every token, as for text; 'answer': on the answer's tokens only (the other
+    targets are -1, which the loss ignores). At 16k tokens the ~6 answer tokens are otherwise a 1/2700 share of
+    the loss, their gradient drowned by the filler's residual ones; the validation loss then reads as nats per
+    answer token."""
 
 
 @dataclass

@@ -58,6 +58,7 @@ class ValidationLoss:
     """Mean next-token cross-entropy (nats per token) over the batches."""
     batches: int
     tokens: int
+    """Targets scored (ignored targets, -1, excluded)."""
 
     @property
     def perplexity(self) -> float:
@@ -73,7 +74,7 @@ def validation_loss(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torc
     for x, y in batches:
         with autocast_context("auto", device):
             losses.append(float(model(x.to(device), y.to(device)).float()))
-        tokens += y.numel()
+        tokens += int((y != -1).sum())  # ignored targets (-1) do not count
     if not losses:
         return None
     return ValidationLoss(sum(losses) / len(losses), len(losses), tokens)
