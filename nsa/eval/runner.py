@@ -128,13 +128,14 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     if opts.samples < 1 or opts.val_batches < 0 or opts.batch_tokens < 1:
         raise UserError("--samples and --batch-tokens must be >= 1, --val-batches >= 0")
     path = checkpoint.resolve(target)
-    cfg = _run_config(checkpoint.read_meta(path)["config"], opts.data_overrides)
+    meta = checkpoint.read_meta(path)
+    cfg = _run_config(meta["config"], opts.data_overrides)
     loaded = load_for_inference(path, opts.device)
     model, device = loaded.model, next(loaded.model.parameters()).device
     out = Path(opts.out) if opts.out is not None else run_dir_of(path) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     name = run_dir_of(path).name
-    step = int(checkpoint.read_meta(path)["step"])
+    step = int(meta["step"])
     print(f"nsa eval: {name} step {step}, {cfg.model.attention} model "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, trained at "
           f"{cfg.train.seq_len} tokens) on {_device_name(device)}")
@@ -189,11 +190,14 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
     bar = tqdm(total=total, desc="retrieval", unit=" seq", dynamic_ncols=True, file=sys.stderr,
                disable=not opts.progress or total == 0)
     for length in opts.lengths:
-        for task_index, task in enumerate(opts.tasks):
+        for task in opts.tasks:
             cell = len(opts.depths) * opts.samples
             try:
-                examples = [tasks.example(task, length, depth, example_rng(opts.seed, task_index, length, d, s))
-                            for d, depth in enumerate(opts.depths) for s in range(opts.samples)]
+                # Seeded by the cell's coordinates, not its place in the lists: the same cell of two
+                # evaluations (any --tasks order, any other depths) holds the same examples.
+                examples = [tasks.example(task, length, depth, example_rng(opts.seed, TASKS.index(task), length,
+                                                                           round(depth * 10_000), s))
+                            for depth in opts.depths for s in range(opts.samples)]
             except ValueError as e:
                 skipped.append({"task": task, "length": length, "reason": f"too short ({e})"})
                 bar.update(cell)
