@@ -1,4 +1,5 @@
-"""The `nsa` command: `nsa train [CONFIG] [key=value ...]`, `nsa config ...`, `nsa report RUN_DIR`."""
+"""The `nsa` command: `nsa train [CONFIG] [key=value ...]`, `nsa config ...`, `nsa report RUN_DIR`,
+`nsa eval CHECKPOINT_OR_RUN`, `nsa compare RUN_DIR ...`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 
 from .errors import UserError
 
+EVAL_LENGTHS = "4096,8192,16384,32768,65536"
+EVAL_DEPTHS = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1"
 CONFIG_HELP = "a YAML file (e.g. configs/m7c.yaml) or a preset name from configs/ (tiny, m7c)"
 
 
@@ -85,6 +88,28 @@ def _cmd_report(ns: argparse.Namespace) -> int:
     images = [name for name in REPORT_IMAGES if (report.parent / name).exists()]
     print(f"wrote {report}")
     print(f"files in {report.parent}: {', '.join([report.name] + images)}")
+    return 0
+
+
+def _cmd_eval(ns: argparse.Namespace) -> int:
+    from .eval.runner import EvalOptions, parse_depths, parse_lengths, parse_tasks, run_eval
+
+    opts = EvalOptions(
+        lengths=parse_lengths(ns.lengths), depths=parse_depths(ns.depths), tasks=parse_tasks(ns.tasks),
+        samples=ns.samples, val_batches=ns.val_batches, batch_tokens=ns.batch_tokens, seed=ns.seed,
+        device=ns.device, out=Path(ns.out) if ns.out else None, data_overrides=ns.overrides,
+        progress=not ns.no_progress,
+    )
+    run_eval(ns.checkpoint, opts)
+    return 0
+
+
+def _cmd_compare(ns: argparse.Namespace) -> int:
+    from .eval.compare import render_compare
+
+    report = render_compare([Path(d) for d in ns.run_dirs], Path(ns.out))
+    print(f"wrote {report}")
+    print(f"files in {report.parent}: {', '.join(sorted(p.name for p in report.parent.iterdir() if p.is_file()))}")
     return 0
 
 
@@ -199,6 +224,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/<name>")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")
     p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser(
+        "eval",
+        help="validation loss, perplexity and long-context retrieval accuracy of a checkpoint",
+        description="Loads CHECKPOINT_OR_RUN (a checkpoint folder, or a run folder: its latest checkpoint), measures "
+        "the validation loss on the run's own data (overrides: data.key=value), then the exact-match accuracy of "
+        "the passkey and key-value retrieval tasks over a grid of context lengths and needle depths. Writes "
+        "eval.csv, eval.json and retrieval_<task>.png (heatmaps) and prints the tables. A length that runs out "
+        "of memory is reported as skipped.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a checkpoint folder or a run folder")
+    p.add_argument("overrides", nargs="*", metavar="data.key=value", help="overrides of the run's data section")
+    p.add_argument("--lengths", default=EVAL_LENGTHS, help=f"comma-separated context lengths in tokens "
+                   f"(default {EVAL_LENGTHS})")
+    p.add_argument("--depths", default=EVAL_DEPTHS, help="comma-separated needle depths in [0, 1] "
+                   "(0: the start of the context; default 0,0.1,...,1)")
+    p.add_argument("--samples", type=int, default=8, help="examples per (task, length, depth) cell")
+    p.add_argument("--tasks", default="passkey,kv", help="comma-separated: passkey, kv (none: validation only)")
+    p.add_argument("--val-batches", type=int, default=8, help="validation batches of the run's batch size and "
+                   "sequence length (0: skip the validation loss)")
+    p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per retrieval forward pass")
+    p.add_argument("--seed", type=int, default=0, help="seed of the retrieval examples")
+    p.add_argument("--out", default=None, help="output folder (default: the run folder's eval/)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run (auto: cuda if present)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser(
+        "compare",
+        help="compare runs: loss curves, final validation losses, retrieval heatmaps, NSA gate statistics",
+        description="Reads each RUN_DIR's metrics.csv, eval/eval.csv (from nsa eval) and nsa_stats.jsonl and writes "
+        "compare.md with loss.png (train and validation loss against tokens seen), retrieval_<task>.png (the "
+        "runs' heatmaps side by side) and gates.png (each NSA run's gate means at the end of training).",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders, e.g. runs/learn-nsa runs/learn-dense")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("config", help="print the resolved configuration (with --docs: every key and its meaning)")
     p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP)

@@ -55,6 +55,8 @@ class RunConfig:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
         if not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        if self.data.retrieval.kv_pairs < 1:
+            raise ConfigError(f"data.retrieval.kv_pairs must be >= 1, got {self.data.retrieval.kv_pairs}")
         if not 0 <= self.data.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.data.val_fraction}")
 

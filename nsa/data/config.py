@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+
+@dataclass
+class RetrievalConfig:
+    """The synthetic retrieval task of data.source='retrieval' (nsa/eval/retrieval.py): every training sequence
+    is one fresh example of train.seq_len tokens, its needle at a uniformly random depth."""
+
+    task: Literal["passkey", "kv", "mixed"] = "passkey"
+    """'passkey': a 5-digit pass key hidden in filler, asked for at the end; 'kv': many 'The value of key K is
+    V.' pairs in filler, one key asked for; 'mixed': each sequence picks one of the two at random."""
+    kv_pairs: int = 8
+    """Key-value pairs per kv example (the queried one and distractors; fewer where they would fill more than
+    half of the sequence). `nsa eval` uses the same number."""
+    loss: Literal["all", "answer"] = "all"
+    """'all': the next-token loss on every token, as for text; 'answer': on the answer's tokens only (the other
+    targets are -1, which the loss ignores). At 16k tokens the ~6 answer tokens are otherwise a 1/2700 share of
+    the loss, their gradient drowned by the filler's residual ones; the validation loss then reads as nats per
+    answer token."""
 
 
 @dataclass
 class DataConfig:
     """Where training text comes from, how it becomes tokens, and how batches are fed."""
 
-    source: Literal["embedded", "text", "jsonl", "parquet", "hf", "shards", "synthetic"] = "embedded"
+    source: Literal["embedded", "text", "jsonl", "parquet", "hf", "shards", "synthetic", "retrieval"] = "embedded"
     """'embedded': the King James Bible shipped as a pip dependency; 'text': local .txt files; 'jsonl' /
     'parquet': local files streamed through `datasets`; 'hf': a Hugging Face dataset streamed from the hub;
     'shards': token shards written by `nsa prepare` (the fast default for long runs); 'synthetic': random
-    tokens (benchmarks)."""
+    tokens (benchmarks); 'retrieval': synthetic passkey / key-value retrieval examples (data.retrieval)."""
     path: str = ""
     """File, folder or glob for text/jsonl/parquet sources; the `nsa prepare` output folder for shards."""
     text_field: str = "text"
@@ -36,3 +54,5 @@ class DataConfig:
     """Batches prepared ahead on a background thread."""
     first_batch_timeout_s: float = 300.0
     """Fail with a clear message if the first batch takes longer than this (e.g. an unreachable dataset)."""
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    """The task of data.source='retrieval'."""

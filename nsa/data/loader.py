@@ -1,4 +1,5 @@
-"""Batches for one rank: from windows (in memory or shards), from a document stream, or synthetic.
+"""Batches for one rank: from windows (in memory or shards), from a document stream, synthetic tokens, or
+synthetic retrieval examples.
 
 Every batch stream is deterministic given (seed, rank, world size) and exposes the exact
 position after the last batch it returned (`state_dict`), so a resumed run continues
@@ -13,9 +14,11 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..errors import UserError
+from ..eval.retrieval import TASKS, RetrievalTasks, example_rng
 from .config import DataConfig
 from .packing import build_splits
 from .shards import ShardWindows, load_meta
@@ -158,6 +161,44 @@ class SyntheticBatches:
         self.counter = int(state["counter"])
 
 
+class RetrievalBatches:
+    """Retrieval examples (nsa/eval/retrieval.py), one per sequence of seq_len + 1 tokens, each with its needle at
+    a uniformly random depth; batch i of rank r depends only on (seed, r, i)."""
+
+    def __init__(self, tasks: RetrievalTasks, task: str, seq_len: int, batch_size: int, seed: int, rank: int = 0,
+                 answer_only: bool = False):
+        self.tasks, self.task, self.seq_len, self.batch_size, self.seed, self.rank = (
+            tasks, task, seq_len, batch_size, seed, rank)
+        self.answer_only = answer_only
+        self.counter = 0
+        for name in TASKS if task == "mixed" else (task,):
+            try:  # here, at setup, rather than on the prefetch thread
+                tasks.example(name, seq_len + 1, 0.5, example_rng(seed))
+            except ValueError as e:
+                raise UserError(f"train.seq_len={seq_len} is too short for data.retrieval.task={task}: {e}") from None
+
+    def next_batch(self) -> Batch:
+        rows, starts = [], []
+        for row in range(self.batch_size):
+            rng = example_rng(self.seed, self.rank, self.counter, row)
+            task = TASKS[int(rng.integers(len(TASKS)))] if self.task == "mixed" else self.task
+            example = self.tasks.example(task, self.seq_len + 1, float(rng.random()), rng)
+            rows.append(example.tokens)
+            starts.append(example.answer_start)
+        self.counter += 1
+        tokens = torch.from_numpy(np.stack(rows))
+        x, y = tokens[:, :-1], tokens[:, 1:].clone()
+        if self.answer_only:  # target j is token j + 1: the answer's targets start at answer_start - 1
+            y[torch.arange(self.seq_len)[None, :] < torch.tensor(starts)[:, None] - 1] = -1
+        return x, y
+
+    def state_dict(self) -> dict:
+        return {"counter": self.counter}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counter = int(state["counter"])
+
+
 class Prefetcher:
     """Produces batches of a stream on a background thread; `state_dict` is the position after the
     last batch handed out (not the last one prepared), so checkpoints stay exact."""
@@ -251,6 +292,17 @@ def build_data(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: 
         val = [val_stream.next_batch() for _ in range(eval_batches)] if cfg.val_fraction > 0 else []
         return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, "synthetic"), val,
                     f"synthetic tokens (vocab {tokenizer.vocab_size})")
+    if cfg.source == "retrieval":
+        tasks = RetrievalTasks(tokenizer, cfg.retrieval.kv_pairs)
+        answer_only = cfg.retrieval.loss == "answer"
+        stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed, rank, answer_only)
+        # Validation examples come from another seed, so they never repeat a training example.
+        val_stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed + 1_000_003, rank,
+                                      answer_only)
+        val = [val_stream.next_batch() for _ in range(eval_batches)] if cfg.val_fraction > 0 else []
+        return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, "retrieval"), val,
+                    f"synthetic {cfg.retrieval.task} retrieval examples ({tokenizer.name} tokens; loss on "
+                    f"{'the answer' if answer_only else 'every token'})")
     if cfg.source in ("jsonl", "parquet", "hf"):
         stream = StreamBatches(cfg, tokenizer, seq_len, batch_size, rank, world, "train")
         val = []

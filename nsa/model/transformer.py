@@ -74,14 +74,22 @@ class Transformer(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B,T,V] for tokens [B,T]; with targets, the mean cross-entropy (targets -1 ignored)."""
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states [B,T,dim] for tokens [B,T]; `lm_head` of them gives the logits.
+
+        Evaluation reads logits at a few positions only: at 64k tokens and the GPT-2 vocabulary the full
+        logits would take gigabytes.
+        """
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = self.rope(positions)
         x = self.tok_emb(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        logits = self.lm_head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B,T,V] for tokens [B,T]; with targets, the mean cross-entropy (targets -1 ignored)."""
+        logits = self.lm_head(self.hidden(tokens))
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)

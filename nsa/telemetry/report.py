@@ -142,10 +142,10 @@ def _last_per_step(records: list[dict]) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def column(rows: list[dict[str, float | None]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of the rows where `key` holds a finite number."""
-    pairs = [(r["step"], r.get(key)) for r in rows]
-    pairs = [(s, v) for s, v in pairs if v is not None and math.isfinite(v)]
+def column(rows: list[dict[str, float | None]], key: str, x: str = "step") -> tuple[np.ndarray, np.ndarray]:
+    """(x, values) of the rows where `key` and `x` (default: the step) hold finite numbers."""
+    pairs = [(r.get(x), r.get(key)) for r in rows]
+    pairs = [(s, v) for s, v in pairs if v is not None and math.isfinite(v) and s is not None and math.isfinite(s)]
     if not pairs:
         return np.zeros(0), np.zeros(0)
     steps, values = zip(*pairs)
@@ -275,17 +275,18 @@ def stale_ranks(heartbeats: list[dict[str, Any]], min_lag_s: float = 60.0, facto
 # ---------------------------------------------------------------------------------------------- plots
 
 
-def _figure(width: float, height: float):
+def new_figure(width: float, height: float):
+    """A matplotlib Figure of the given size in inches (also used by `nsa eval` and `nsa compare`)."""
     # A bare Figure renders PNGs through Agg without pyplot: no global backend switch and no figure registry
     # to leak, so the report is safe to call from a notebook or a training process.
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise UserError("nsa report needs matplotlib: pip install matplotlib") from None
+        raise UserError("the plots need matplotlib: pip install matplotlib") from None
     return Figure(figsize=(width, height), layout="constrained", dpi=110)
 
 
-def _save(fig, path: Path) -> Path:
+def save_png(fig, path: Path) -> Path:
     fig.savefig(path, format="png")
     return path
 
@@ -300,7 +301,7 @@ def plot_loss(rows: list[dict], path: Path) -> Path | None:
     vsteps, vloss = column(rows, "val_loss")
     if not steps.size and not vsteps.size:
         return None
-    fig = _figure(7, 4)
+    fig = new_figure(7, 4)
     ax = fig.add_subplot()
     ax.plot(steps, loss, lw=1.2, label="train loss")
     if vsteps.size:
@@ -310,7 +311,7 @@ def plot_loss(rows: list[dict], path: Path) -> Path | None:
     ax.set(xlabel="step", ylabel="loss", title="loss")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_throughput(rows: list[dict], path: Path) -> Path | None:
@@ -318,7 +319,7 @@ def plot_throughput(rows: list[dict], path: Path) -> Path | None:
     wsteps, wait = column(rows, "data_wait")
     if not steps.size:
         return None
-    fig = _figure(7, 5.5 if wsteps.size else 4)
+    fig = new_figure(7, 5.5 if wsteps.size else 4)
     axes = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1]) if wsteps.size else [fig.add_subplot()]
     axes[0].plot(steps, tps, lw=1.2)
     axes[0].set(ylabel="tokens/s", title="throughput")
@@ -328,19 +329,19 @@ def plot_throughput(rows: list[dict], path: Path) -> Path | None:
         axes[1].set(ylabel="data wait (% of step)", ylim=(0, max(5.0, 100 * float(wait.max()) * 1.1)))
         axes[1].grid(alpha=0.3)
     axes[-1].set_xlabel("step")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_single(rows: list[dict], key: str, ylabel: str, title: str, path: Path) -> Path | None:
     steps, values = column(rows, key)
     if not steps.size:
         return None
-    fig = _figure(7, 3.5)
+    fig = new_figure(7, 3.5)
     ax = fig.add_subplot()
     ax.plot(steps, values, lw=1.2)
     ax.set(xlabel="step", ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_gates(series: list[LayerSeries], path: Path) -> Path | None:
@@ -348,7 +349,7 @@ def plot_gates(series: list[LayerSeries], path: Path) -> Path | None:
         return None
     ncols = min(4, len(series))
     nrows = math.ceil(len(series) / ncols)
-    fig = _figure(3.2 * ncols, 2.4 * nrows + 0.4)
+    fig = new_figure(3.2 * ncols, 2.4 * nrows + 0.4)
     axes = np.atleast_1d(fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)).ravel()
     for ax, s in zip(axes, series):
         for b, (name, color) in enumerate(zip(BRANCHES, BRANCH_COLORS)):
@@ -364,7 +365,7 @@ def plot_gates(series: list[LayerSeries], path: Path) -> Path | None:
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper right", ncols=3, fontsize=8)
     fig.suptitle("gate mean per branch (band: +-std)")
     fig.supxlabel("step")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_selection(stats: list[dict[str, Any]], series: list[LayerSeries], path: Path) -> Path | None:
@@ -373,7 +374,7 @@ def plot_selection(stats: list[dict[str, Any]], series: list[LayerSeries], path:
                      for s in series)
     if histogram is None and not has_series:
         return None
-    fig = _figure(10, 7.5 if histogram is not None and has_series else 4)
+    fig = new_figure(10, 7.5 if histogram is not None and has_series else 4)
     grid = fig.add_gridspec(2 if histogram is not None and has_series else 1, 2)
     row = 0
     if histogram is not None:
@@ -391,7 +392,7 @@ def plot_selection(stats: list[dict[str, Any]], series: list[LayerSeries], path:
             ax.grid(alpha=0.3)
         if len(series) <= 12:
             ax_f.legend(fontsize=7, ncol=2 if len(series) > 6 else 1)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _draw_histogram(ax, step: int, edges: np.ndarray, counts: np.ndarray) -> None:
@@ -471,7 +472,7 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
         steps += f" / {total:,} ({100 * last['step'] / total:.0f}%)"
     out = [("steps", steps)]
     if last.get("tokens") is not None:
-        out.append(("tokens seen", _human(last["tokens"])))
+        out.append(("tokens seen", human_count(last["tokens"])))
     lsteps, loss = column(rows, "loss")
     if loss.size:
         out.append(("last train loss", f"{loss[-1]:.4f} (step {int(lsteps[-1])})"))
@@ -591,7 +592,8 @@ def _env_line(env: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _human(n: float) -> str:
+def human_count(n: float) -> str:
+    """1234567 -> '1.23M' (k, M, B, T)."""
     for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
         if abs(n) >= scale:
             return f"{n / scale:.2f}{suffix}"

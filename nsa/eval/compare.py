@@ -1,0 +1,402 @@
+"""`nsa compare`: several runs side by side, the evidence that NSA learns.
+
+- loss.png: training and validation loss of every run against tokens seen;
+- the final validation losses, their mean and spread per attention kind (several seeds), and the margin
+  between NSA and dense;
+- retrieval_<task>.png: each run's `nsa eval` heatmap side by side (runs that have eval/eval.csv);
+- gates.png and a table: each NSA run's gate means per branch at its last nsa_stats.jsonl record, averaged
+  over layers and per layer, whether all three branches are used, and the selection statistics.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import UserError
+from ..telemetry.report import (
+    BRANCH_COLORS, BRANCHES, RunData, column, gate_warnings, human_count, layer_series, load_run, new_figure,
+    save_png,
+)
+from .heatmap import Grid, length_label, plot_grids
+
+USED_GATE = 0.05
+"""A branch counts as used when its gate mean, averaged over layers, is at least this (sigmoid gates start
+near 0.5; the report's collapse warning fires below 0.02)."""
+KIND_COLORS = {"nsa": ("tab:blue", "tab:cyan", "navy", "tab:purple"),
+               "dense": ("tab:orange", "tab:red", "tab:brown", "gold")}
+OTHER_COLORS = ("tab:green", "tab:olive", "tab:pink", "tab:gray")
+
+
+@dataclass
+class GateSummary:
+    """One NSA run's gate and selection statistics at its last nsa_stats.jsonl record."""
+
+    step: int
+    per_layer: np.ndarray
+    """[layers, 3] gate means (compressed, selected, window)."""
+    distance: float
+    forced_share: float
+    concentration: float
+    warnings: list[str]
+
+    @property
+    def mean(self) -> np.ndarray:
+        return self.per_layer.mean(axis=0)
+
+    @property
+    def all_used(self) -> bool:
+        return bool((self.mean >= USED_GATE).all())
+
+
+@dataclass
+class RunSummary:
+    name: str
+    data: RunData
+    attention: str
+    seed: int | None
+    last_step: int | None
+    tokens: float | None
+    val_tokens: np.ndarray
+    val_loss: np.ndarray
+    eval_rows: list[dict] = field(default_factory=list)
+    eval_meta: dict[str, Any] = field(default_factory=dict)
+    gates: GateSummary | None = None
+
+    @property
+    def final_val(self) -> float | None:
+        return float(self.val_loss[-1]) if self.val_loss.size else None
+
+    def val_at(self, tokens: float) -> float | None:
+        """The validation loss logged at exactly `tokens` tokens seen, if any."""
+        hit = np.nonzero(self.val_tokens == tokens)[0]
+        return float(self.val_loss[hit[-1]]) if hit.size else None
+
+
+# -------------------------------------------------------------------------------------------- reading
+
+
+def load_summary(run_dir: Path, name: str) -> RunSummary:
+    run = load_run(run_dir)
+    model = run.config.get("model") if isinstance(run.config.get("model"), dict) else {}
+    train = run.config.get("train") if isinstance(run.config.get("train"), dict) else {}
+    last = run.metrics[-1] if run.metrics else {}
+    val_tokens, val_loss = column(run.metrics, "val_loss", x="tokens")
+    summary = RunSummary(
+        name=name, data=run, attention=str(model.get("attention", "?")),
+        seed=train.get("seed") if isinstance(train.get("seed"), int) else None,
+        last_step=int(last["step"]) if last.get("step") is not None else None, tokens=last.get("tokens"),
+        val_tokens=val_tokens, val_loss=val_loss,
+    )
+    eval_csv = run.run_dir / "eval" / "eval.csv"
+    if eval_csv.is_file():
+        summary.eval_rows = _read_eval_csv(eval_csv)
+    try:
+        meta = json.loads((run.run_dir / "eval" / "eval.json").read_text(encoding="utf-8"))
+        summary.eval_meta = meta if isinstance(meta, dict) else {}
+    except (OSError, ValueError):
+        pass  # no eval yet: its columns read '-'
+
+    summary.gates = gate_summary(run)
+    return summary
+
+
+def _read_eval_csv(path: Path) -> list[dict]:
+    rows = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for raw in csv.DictReader(f):
+            try:
+                rows.append({"task": raw["task"], "length": int(raw["length"]), "depth": float(raw["depth"]),
+                             "samples": int(raw["samples"]), "accuracy": float(raw["accuracy"])})
+            except (KeyError, TypeError, ValueError):
+                continue  # a malformed row only removes a cell
+    return rows
+
+
+def gate_summary(run: RunData) -> GateSummary | None:
+    """Gate means per layer and branch, and the selection statistics, of the last complete stats record."""
+    series = layer_series(run.stats)
+    if not series:
+        return None
+    step = max(int(s.steps[-1]) for s in series)
+    layers = [s for s in series if int(s.steps[-1]) == step]
+    record = next((r for r in reversed(run.stats) if r.get("step") == step), {})
+    entries = [e for e in record.get("layers", []) if isinstance(e, dict)]
+    return GateSummary(
+        step=step,
+        per_layer=np.stack([s.gate_mean[-1] for s in layers]),
+        distance=_mean([e.get("sel_distance_mean") for e in entries]),
+        forced_share=_mean([e.get("sel_forced_share") for e in entries]),
+        concentration=_mean([e.get("sel_concentration") for e in entries]),
+        warnings=[w for w in gate_warnings(layers) if "collapsed" in w],
+    )
+
+
+def _mean(values: list) -> float:
+    numbers = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(numbers) / len(numbers) if numbers else math.nan
+
+
+def _names(run_dirs: list[Path]) -> list[str]:
+    """Folder names; where two runs share one, their parent folder's name is added."""
+    names = [d.resolve().name for d in run_dirs]
+    return [f"{d.resolve().parent.name}/{n}" if names.count(n) > 1 else n for d, n in zip(run_dirs, names)]
+
+
+# ---------------------------------------------------------------------------------------------- plots
+
+
+def _colors(runs: list[RunSummary]) -> list[str]:
+    used: dict[str, int] = {}
+    out = []
+    for r in runs:
+        palette = KIND_COLORS.get(r.attention, OTHER_COLORS)
+        out.append(palette[used.get(r.attention, 0) % len(palette)])
+        used[r.attention] = used.get(r.attention, 0) + 1
+    return out
+
+
+def plot_losses(runs: list[RunSummary], path: Path) -> Path | None:
+    """Training loss (left) and validation loss (right) of every run against tokens seen."""
+    if not any(column(r.data.metrics, "loss", x="tokens")[0].size for r in runs):
+        return None
+    fig = new_figure(12, 4.5)
+    ax_train, ax_val = fig.subplots(1, 2)
+    for r, color in zip(runs, _colors(runs)):
+        label = f"{r.name} ({r.attention}" + (f", seed {r.seed})" if r.seed is not None else ")")
+        tokens, loss = column(r.data.metrics, "loss", x="tokens")
+        ax_train.plot(tokens, loss, color=color, lw=1.2, label=label)
+        if r.val_tokens.size:
+            ax_val.plot(r.val_tokens, r.val_loss, "o-", color=color, ms=4, lw=1.2, label=label)
+    ax_train.set(xlabel="tokens seen", ylabel="loss (nats per token)", title="training loss")
+    ax_val.set(xlabel="tokens seen", ylabel="loss (nats per token)", title="validation loss")
+    for ax in (ax_train, ax_val):
+        ax.grid(alpha=0.3)
+    ax_train.legend(fontsize=8)
+    return save_png(fig, path)
+
+
+def plot_gates(runs: list[RunSummary], path: Path) -> Path | None:
+    """Per NSA run: the gate mean of each branch per layer at the end of training."""
+    nsa = [r for r in runs if r.gates is not None]
+    if not nsa:
+        return None
+    fig = new_figure(max(5.0, 1.2 + 0.55 * max(len(r.gates.per_layer) for r in nsa)) * len(nsa), 3.6)
+    axes = np.atleast_1d(fig.subplots(1, len(nsa), squeeze=False)).ravel()
+    for ax, r in zip(axes, nsa):
+        layers = np.arange(len(r.gates.per_layer))
+        for b, (name, color) in enumerate(zip(BRANCHES, BRANCH_COLORS)):
+            ax.bar(layers + (b - 1) * 0.27, r.gates.per_layer[:, b], width=0.27, color=color, label=name)
+        ax.axhline(USED_GATE, color="0.4", lw=0.8, ls="--")
+        ax.set(xlabel="layer", ylabel="gate mean", ylim=(0, 1), xticks=layers,
+               title=f"{r.name}, step {r.gates.step}")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    return save_png(fig, path)
+
+
+def retrieval_grids(runs: list[RunSummary]) -> dict[str, list[Grid]]:
+    """Per task, one grid per run that has eval rows for it, over the union of lengths and depths."""
+    tasks = list(dict.fromkeys(row["task"] for r in runs for row in r.eval_rows))
+    out = {}
+    for task in tasks:
+        rows = [row for r in runs for row in r.eval_rows if row["task"] == task]
+        skipped = {(r.name, s.get("length")) for r in runs
+                   for s in r.eval_meta.get("retrieval", {}).get("skipped", []) if s.get("task") == task}
+        lengths = sorted({row["length"] for row in rows} | {n for _, n in skipped if isinstance(n, int)})
+        depths = sorted({row["depth"] for row in rows})
+        grids = []
+        for r in runs:
+            mine = [row for row in r.eval_rows if row["task"] == task]
+            if not mine:
+                continue
+            acc = np.full((len(depths), len(lengths)), math.nan)
+            for row in mine:
+                acc[depths.index(row["depth"]), lengths.index(row["length"])] = row["accuracy"]
+            reasons = {s["length"]: str(s.get("reason", "skipped")).split(" (")[0]
+                       for s in r.eval_meta.get("retrieval", {}).get("skipped", [])
+                       if s.get("task") == task and isinstance(s.get("length"), int)}
+            grids.append(Grid(f"{r.name} ({r.attention})", lengths, depths, acc, reasons))
+        out[task] = grids
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the report
+
+
+def render_compare(run_dirs: list[Path], out: Path) -> Path:
+    """Write compare.md and its PNGs into `out`; returns compare.md."""
+    if not run_dirs:
+        raise UserError("nsa compare needs at least one run folder")
+    runs = [load_summary(Path(d), name) for d, name in zip(run_dirs, _names([Path(d) for d in run_dirs]))]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    images = []
+    if plot_losses(runs, out / "loss.png") is not None:
+        images.append("loss.png")
+    grids = retrieval_grids(runs)
+    for task, task_grids in grids.items():
+        plot_grids(task_grids, out / f"retrieval_{task}.png", title=f"{task}: exact-match accuracy")
+    if plot_gates(runs, out / "gates.png") is not None:
+        images.append("gates.png")
+    # Images a previous comparison wrote and this one did not are removed: the folder shows one comparison.
+    keep = set(images) | {f"retrieval_{t}.png" for t in grids}
+    for old in out.glob("*.png"):
+        if old.name not in keep:
+            old.unlink()
+    report = out / "compare.md"
+    report.write_text(compare_markdown(runs, grids, images), encoding="utf-8")
+    return report
+
+
+def compare_markdown(runs: list[RunSummary], grids: dict[str, list[Grid]], images: list[str]) -> str:
+    parts = [f"# Comparison: {', '.join(r.name for r in runs)}", ""]
+    parts += ["| run | attention | seed | steps | tokens seen | final val loss | best val loss | nsa eval: val loss "
+              "(perplexity) |", "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        best = f"{float(r.val_loss.min()):.4f}" if r.val_loss.size else "-"
+        parts.append(f"| {r.name} | {r.attention} | {_or_dash(r.seed, grouped=False)} | {_or_dash(r.last_step)} | "
+                     f"{human_count(r.tokens) if r.tokens is not None else '-'} | {_fmt(r.final_val)} | {best} | "
+                     f"{_eval_validation(r.eval_meta)} |")
+    parts += [""] + _validation_section(runs)
+    if "loss.png" in images:
+        parts += ["![](loss.png)", ""]
+    parts += _retrieval_section(runs, grids)
+    parts += _gate_section(runs, "gates.png" in images)
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def _eval_validation(meta: dict[str, Any]) -> str:
+    """`nsa eval`'s validation loss and perplexity (more batches than the trainer's), with its step."""
+    val = meta.get("validation") if isinstance(meta.get("validation"), dict) else None
+    if not val or not isinstance(val.get("loss"), (int, float)):
+        return "-"
+    return f"{val['loss']:.4f} ({val.get('perplexity', math.nan):.3f}) at step {meta.get('step', '?')}"
+
+
+def _validation_section(runs: list[RunSummary]) -> list[str]:
+    lines = ["## Validation loss", ""]
+    with_val = [r for r in runs if r.final_val is not None]
+    if not with_val:
+        return lines + ["No run logged a validation loss (train.eval_every=0, or data.val_fraction=0).", ""]
+    # Runs cut at different points are compared at the last validation they all reached, when there is one.
+    at = _common_tokens(with_val) if len({r.tokens for r in with_val}) > 1 else None
+    if len({r.tokens for r in with_val}) > 1:
+        lines += [f"The runs stopped at different token counts; they are compared at the last validation all of "
+                  f"them reached: {human_count(at)} tokens." if at is not None else
+                  "The runs stopped at different token counts and share no validation point; their final values "
+                  "are compared.", ""]
+
+    def value(r: RunSummary) -> float | None:
+        return r.val_at(at) if at is not None else r.final_val
+
+    kinds = list(dict.fromkeys(r.attention for r in with_val))
+    lines += ["| attention | runs | mean val loss | spread between seeds (std; min-max) |", "|---|---|---|---|"]
+    means = {}
+    spreads = {}
+    for kind in kinds:
+        values = [value(r) for r in with_val if r.attention == kind and value(r) is not None]
+        if not values:
+            continue
+        means[kind] = statistics.fmean(values)
+        if len(values) > 1:
+            spreads[kind] = max(values) - min(values)
+            spread = f"{statistics.stdev(values):.4f}; {min(values):.4f}-{max(values):.4f}"
+        else:
+            spread = "one run"
+        lines.append(f"| {kind} | {len(values)} | {means[kind]:.4f} | {spread} |")
+    lines.append("")
+    if "nsa" in means and "dense" in means:
+        margin = means["nsa"] - means["dense"]
+        better = "lower (better)" if margin < 0 else "higher (worse)" if margin > 0 else "equal"
+        lines.append(f"**Margin:** NSA's mean validation loss is {abs(margin):.4f} nats {better} than dense's "
+                     f"({100 * margin / means['dense']:+.2f}%).")
+        if spreads:
+            widest = max(spreads.values())
+            verdict = "larger" if abs(margin) > widest else "not larger"
+            lines.append(f"The margin is {verdict} than the widest spread between seeds of one kind ({widest:.4f}).")
+        else:
+            lines.append("One run per kind: no spread between seeds to compare the margin with.")
+        lines.append("")
+    return lines
+
+
+def _common_tokens(runs: list[RunSummary]) -> float | None:
+    shared = set(runs[0].val_tokens.tolist())
+    for r in runs[1:]:
+        shared &= set(r.val_tokens.tolist())
+    return max(shared) if shared else None
+
+
+def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]]) -> list[str]:
+    lines = ["## Retrieval (exact match, `nsa eval`)", ""]
+    missing = [r.name for r in runs if not r.eval_rows]
+    if not grids:
+        return lines + ["No run has retrieval results in eval/eval.csv (`nsa eval RUN_DIR --tasks passkey,kv`).", ""]
+    for task, task_grids in grids.items():
+        lengths = task_grids[0].lengths
+        lines += [f"### {task}", "", "Mean accuracy over depths per context length:", "",
+                  "| run | " + " | ".join(length_label(n) for n in lengths) + " |",
+                  "|---|" + "---|" * len(lengths)]
+        for grid in task_grids:
+            cells = []
+            for j, n in enumerate(lengths):
+                col = grid.acc[:, j]
+                cells.append(f"{np.nanmean(col):.2f}" if np.isfinite(col).any() else grid.skipped.get(n, "-"))
+            lines.append(f"| {grid.title} | " + " | ".join(cells) + " |")
+        lines += ["", f"![](retrieval_{task}.png)", ""]
+    for r in runs:
+        meta = r.eval_meta
+        if meta and r.eval_rows:
+            trained = meta.get("trained_seq_len")
+            lines.append(f"- {r.name}: step {meta.get('step', '?')}, trained at {trained} tokens, "
+                         f"samples per cell: {meta.get('retrieval', {}).get('samples', '?')}, on {meta.get('device', '?')}")
+    if missing:
+        lines.append(f"- no retrieval results: {', '.join(missing)}")
+    return lines + [""]
+
+
+def _gate_section(runs: list[RunSummary], has_plot: bool) -> list[str]:
+    lines = ["## NSA gates and selection at the end of training", ""]
+    nsa = [r for r in runs if r.gates is not None]
+    if not nsa:
+        return lines + ["No run has nsa_stats.jsonl records (dense runs have none).", ""]
+    lines += [f"Gate means per branch at the last health record, averaged over layers (a branch counts as used "
+              f"when that mean is >= {USED_GATE}); selection: mean query-to-block distance, share of forced "
+              "blocks, concentration, averaged over layers.", "",
+              "| run | step | compressed | selected | window | all three used? | lowest layer gate | distance | "
+              "forced share | concentration |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in nsa:
+        g = r.gates
+        low_layer, low_branch = np.unravel_index(int(np.argmin(g.per_layer)), g.per_layer.shape)
+        lowest = f"{g.per_layer[low_layer, low_branch]:.3f} (layer {low_layer}, {BRANCHES[low_branch]})"
+        unused = [BRANCHES[b] for b in range(3) if g.mean[b] < USED_GATE]
+        used = "yes" if g.all_used else f"no ({', '.join(unused)} below {USED_GATE})"
+        lines.append(f"| {r.name} | {g.step} | {g.mean[0]:.3f} | {g.mean[1]:.3f} | {g.mean[2]:.3f} | {used} | "
+                     f"{lowest} | {_fmt(g.distance, 1)} | {_fmt(g.forced_share, 3)} | {_fmt(g.concentration, 3)} |")
+    lines.append("")
+    for r in nsa:
+        lines += [f"Per layer, {r.name} (step {r.gates.step}):", "", "| layer | compressed | selected | window |",
+                  "|---|---|---|---|"]
+        lines += [f"| {i} | {row[0]:.3f} | {row[1]:.3f} | {row[2]:.3f} |" for i, row in enumerate(r.gates.per_layer)]
+        lines.append("")
+        if r.gates.warnings:
+            lines += [f"- {w}" for w in r.gates.warnings] + [""]
+    if has_plot:
+        lines += ["![](gates.png)", ""]
+    return lines
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def _or_dash(value: Any, grouped: bool = True) -> str:
+    return "-" if value is None else f"{value:,}" if isinstance(value, int) and grouped else str(value)

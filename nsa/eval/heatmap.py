@@ -1,0 +1,72 @@
+"""Retrieval accuracy heatmaps like the NSA paper's Figure 5: context length across, needle depth down."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..telemetry.report import new_figure, save_png
+
+
+@dataclass
+class Grid:
+    """Accuracy of one task on one model: acc[i, j] at depths[i] and lengths[j]; nan where not measured."""
+
+    title: str
+    lengths: list[int]
+    depths: list[float]
+    acc: np.ndarray
+    skipped: dict[int, str] = field(default_factory=dict)
+    """Lengths that were not measured, with a short reason (e.g. 'out of memory')."""
+
+
+def length_label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def draw(ax, grid: Grid, annotate: bool = True):
+    """One heatmap on a matplotlib axis; returns the image (for a colorbar)."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["RdYlGn"].with_extremes(bad="0.85")  # unmeasured cells in light grey
+    image = ax.imshow(np.ma.masked_invalid(grid.acc), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
+                      interpolation="nearest")
+    ax.set_xticks(range(len(grid.lengths)), [length_label(n) for n in grid.lengths])
+    ax.set_yticks(range(len(grid.depths)), [f"{100 * d:.0f}%" for d in grid.depths])
+    ax.set(xlabel="context length (tokens)", ylabel="needle depth", title=grid.title)
+    small = len(grid.lengths) * len(grid.depths) <= 160
+    for i in range(len(grid.depths)):
+        for j, n in enumerate(grid.lengths):
+            value = grid.acc[i, j]
+            if math.isfinite(value):
+                if annotate and small:
+                    ax.text(j, i, f"{100 * value:.0f}", ha="center", va="center",
+                            fontsize=7, color="black")
+            elif i == len(grid.depths) // 2:
+                ax.text(j, i, _short(grid.skipped.get(n, "n/a")), ha="center", va="center", fontsize=7,
+                        rotation=90, color="0.3")
+    return image
+
+
+def _short(reason: str) -> str:
+    return reason if len(reason) <= 14 else reason[:13] + "…"
+
+
+def plot_grids(grids: Sequence[Grid], path: Path, title: str = "") -> Path:
+    """The grids side by side with one colour bar (accuracy 0..1)."""
+    n = len(grids)
+    width = max(len(g.lengths) for g in grids)
+    height = max(len(g.depths) for g in grids)
+    fig = new_figure(min(4.0 + 0.55 * width, 8.0) * n if n > 1 else 2.5 + 0.7 * width, 1.6 + 0.32 * height)
+    axes = np.atleast_1d(fig.subplots(1, n, squeeze=False)).ravel()
+    image = None
+    for ax, grid in zip(axes, grids):
+        image = draw(ax, grid)
+    fig.colorbar(image, ax=list(axes), label="exact-match accuracy", shrink=0.9)
+    if title:
+        fig.suptitle(title)
+    return save_png(fig, path)

@@ -1,0 +1,335 @@
+"""`nsa eval`: a checkpoint's validation loss and perplexity, and its retrieval accuracy over a grid of
+context lengths and needle depths, into eval.csv, eval.json and one heatmap per task."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..errors import UserError
+from .heatmap import Grid, length_label, plot_grids
+from .retrieval import TASKS, RetrievalTasks, example_rng
+from .scoring import ValidationLoss, exact_match, validation_loss
+
+CSV_FIELDS = ["task", "length", "depth", "samples", "accuracy"]
+
+
+@dataclass
+class EvalOptions:
+    """What `nsa eval` measures and where it writes."""
+
+    lengths: list[int]
+    depths: list[float]
+    tasks: list[str]
+    samples: int = 8
+    """Examples per (task, length, depth) cell."""
+    val_batches: int = 8
+    """Validation batches (of the run's train.batch_size x train.seq_len); 0 skips the validation loss."""
+    batch_tokens: int = 65536
+    """Tokens per retrieval forward: max(1, batch_tokens // length) examples at a time."""
+    seed: int = 0
+    """Seed of the retrieval examples (their coordinates in the grid are mixed in)."""
+    device: str = "auto"
+    out: Path | None = None
+    """Output folder; None is <run folder>/eval."""
+    data_overrides: list[str] = field(default_factory=list)
+    """data.key=value overrides of the run's data section (for the validation loss and the kv task)."""
+    progress: bool = True
+
+
+@dataclass
+class EvalResult:
+    out_dir: Path
+    validation: ValidationLoss | None
+    rows: list[dict]
+    """eval.csv's rows."""
+    skipped: list[dict]
+    """{task, length, reason} of every (task, length) not measured."""
+    images: list[Path]
+
+
+# ------------------------------------------------------------------------------------------ arguments
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'4096,8192' -> [4096, 8192] (sorted, duplicates dropped); a UserError names the bad entry."""
+    values = []
+    for part in _parts(text, "--lengths"):
+        try:
+            value = int(part)
+        except ValueError:
+            raise UserError(f"--lengths: '{part}' is not an integer (e.g. --lengths 4096,8192)") from None
+        if value < 2:
+            raise UserError(f"--lengths: {value} is too short; give context lengths in tokens, e.g. 4096")
+        values.append(value)
+    return sorted(set(values))
+
+
+def parse_depths(text: str) -> list[float]:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0] (sorted, duplicates dropped); each in [0, 1]."""
+    values = []
+    for part in _parts(text, "--depths"):
+        try:
+            value = float(part)
+        except ValueError:
+            raise UserError(f"--depths: '{part}' is not a number (e.g. --depths 0,0.25,0.5,0.75,1)") from None
+        if not 0.0 <= value <= 1.0:
+            raise UserError(f"--depths: {part} is outside [0, 1] (0 is the start of the context, 1 the end)")
+        values.append(value)
+    return sorted(set(values))
+
+
+def parse_tasks(text: str) -> list[str]:
+    """'passkey,kv' -> ['passkey', 'kv'], in the order given; 'none' or '' for none."""
+    if text.strip() in ("", "none"):
+        return []
+    tasks = []
+    for part in _parts(text, "--tasks"):
+        if part not in TASKS:
+            raise UserError(f"--tasks: unknown task '{part}'; choose from {', '.join(TASKS)} (or none)")
+        if part not in tasks:
+            tasks.append(part)
+    return tasks
+
+
+def _parts(text: str, option: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise UserError(f"{option} needs a comma-separated list, got '{text}'")
+    return parts
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+def run_dir_of(checkpoint_path: Path) -> Path:
+    """The run folder of a checkpoint folder (runs/<name>/checkpoints/step_N -> runs/<name>)."""
+    return checkpoint_path.parent.parent if checkpoint_path.parent.name == "checkpoints" else checkpoint_path.parent
+
+
+def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
+    """Measure, write eval.csv / eval.json / retrieval_<task>.png, print the tables; returns what was written."""
+    from ..inference.generate import load_for_inference
+    from ..train import checkpoint
+
+    target = Path(checkpoint_or_run)
+    if not target.exists():
+        raise UserError(f"'{target}' does not exist: give a run folder (runs/<name>) or a checkpoint folder")
+    if opts.samples < 1 or opts.val_batches < 0 or opts.batch_tokens < 1:
+        raise UserError("--samples and --batch-tokens must be >= 1, --val-batches >= 0")
+    path = checkpoint.resolve(target)
+    meta = checkpoint.read_meta(path)
+    cfg = _run_config(meta["config"], opts.data_overrides)
+    loaded = load_for_inference(path, opts.device)
+    model, device = loaded.model, next(loaded.model.parameters()).device
+    out = Path(opts.out) if opts.out is not None else run_dir_of(path) / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    name = run_dir_of(path).name
+    step = int(meta["step"])
+    print(f"nsa eval: {name} step {step}, {cfg.model.attention} model "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, trained at "
+          f"{cfg.train.seq_len} tokens) on {_device_name(device)}")
+
+    validation = None
+    if opts.val_batches > 0:
+        validation = _validation(model, cfg, loaded.tokenizer, opts.val_batches, device)
+        if validation is None:
+            print("validation: the data source has no validation split (data.val_fraction=0)")
+        else:
+            print(f"validation: loss {validation.loss:.4f}, perplexity {validation.perplexity:.3f} "
+                  f"({validation.batches} batches, {validation.tokens:,} tokens of {cfg.data.source})")
+
+    tasks = RetrievalTasks(loaded.tokenizer, cfg.data.retrieval.kv_pairs)
+    rows, skipped = _retrieval_grid(model, tasks, opts, device)
+    grids = _grids(rows, skipped, opts, f"{name} ({cfg.model.attention}, step {step})")
+    images = _write(out, rows, skipped, grids, _summary(path, cfg, model, device, step, name, validation, opts,
+                                                        rows, skipped))
+    for task, grid in grids.items():
+        print(f"\n{task}: exact-match accuracy (rows: needle depth, columns: context length)")
+        print(_table(grid))
+    print(f"\nwrote {out / 'eval.csv'}, {out / 'eval.json'}" + "".join(f", {p.name}" for p in images))
+    return EvalResult(out, validation, rows, skipped, images)
+
+
+def _run_config(config: dict, overrides: list[str]):
+    from ..config import RunConfig
+    from ..typed_config import apply_overrides, from_dict
+
+    for item in overrides:
+        if not item.startswith("data."):
+            raise UserError(f"'{item}': nsa eval takes overrides of the data section only (data.key=value)")
+    cfg = apply_overrides(from_dict(RunConfig, config), overrides)
+    cfg.validate()
+    return cfg
+
+
+def _validation(model, cfg, tokenizer, n_batches: int, device: torch.device) -> ValidationLoss | None:
+    from ..data.loader import build_data
+
+    t = cfg.train
+    data = build_data(cfg.data, tokenizer, t.seq_len, t.batch_size, n_batches, t.seed)
+    data.train.close()  # only the validation batches are used; its thread never started
+    return validation_loss(model, data.val, device)
+
+
+def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: torch.device
+                    ) -> tuple[list[dict], list[dict]]:
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    total = len(opts.tasks) * len(opts.lengths) * len(opts.depths) * opts.samples
+    bar = tqdm(total=total, desc="retrieval", unit=" seq", dynamic_ncols=True, file=sys.stderr,
+               disable=not opts.progress or total == 0)
+    for length in opts.lengths:
+        for task in opts.tasks:
+            cell = len(opts.depths) * opts.samples
+            try:
+                # Seeded by the cell's coordinates, not its place in the lists: the same cell of two
+                # evaluations (any --tasks order, any other depths) holds the same examples.
+                examples = [tasks.example(task, length, depth, example_rng(opts.seed, TASKS.index(task), length,
+                                                                           round(depth * 10_000), s))
+                            for depth in opts.depths for s in range(opts.samples)]
+            except ValueError as e:
+                skipped.append({"task": task, "length": length, "reason": f"too short ({e})"})
+                bar.update(cell)
+                continue
+            hits, failure = _score(model, examples, opts.batch_tokens // length, device, bar.update)
+            if failure is not None:
+                skipped.append({"task": task, "length": length, "reason": failure})
+                bar.write(f"{task} at {length:,} tokens: skipped: {failure}")
+                bar.update(cell - len(hits))
+                continue
+            for d, depth in enumerate(opts.depths):
+                cell_hits = hits[d * opts.samples:(d + 1) * opts.samples]
+                rows.append({"task": task, "length": length, "depth": depth, "samples": len(cell_hits),
+                             "accuracy": sum(cell_hits) / len(cell_hits)})
+    bar.close()
+    order = {t: i for i, t in enumerate(opts.tasks)}
+    rows.sort(key=lambda r: (order[r["task"]], r["length"], r["depth"]))
+    return rows, skipped
+
+
+def _score(model, examples, batch: int, device: torch.device, progress: Callable[[int], object]
+           ) -> tuple[list[bool], str | None]:
+    """Exact match of every example, in batches; and None, or a one-line reason when memory ran out."""
+    batch = max(1, batch)
+    hits: list[bool] = []
+    failure = None
+    try:
+        for i in range(0, len(examples), batch):
+            chunk = examples[i:i + batch]
+            tokens = torch.from_numpy(np.stack([e.tokens for e in chunk])).to(device)
+            start = torch.tensor([e.answer_start for e in chunk], device=device)
+            length = torch.tensor([e.answer_len for e in chunk], device=device)
+            hits += exact_match(model, tokens, start, length).tolist()
+            progress(len(chunk))
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        failure = f"out of memory at batch {batch} ({str(e).strip().splitlines()[0][:120]})"
+    if failure is not None and device.type == "cuda":
+        # Only now, with the exception and its frames gone, are the failed batch's tensors free.
+        torch.cuda.empty_cache()
+    return hits, failure
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
+def _grids(rows: list[dict], skipped: list[dict], opts: EvalOptions, title: str) -> dict[str, Grid]:
+    grids = {}
+    for task in opts.tasks:
+        acc = np.full((len(opts.depths), len(opts.lengths)), math.nan)
+        for r in rows:
+            if r["task"] == task:
+                acc[opts.depths.index(r["depth"]), opts.lengths.index(r["length"])] = r["accuracy"]
+        reasons = {s["length"]: s["reason"].split(" (")[0] for s in skipped if s["task"] == task}
+        grids[task] = Grid(f"{task}: {title}", list(opts.lengths), list(opts.depths), acc, reasons)
+    return grids
+
+
+# ------------------------------------------------------------------------------------------- outputs
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
+             validation: ValidationLoss | None, opts: EvalOptions, rows: list[dict], skipped: list[dict]) -> dict:
+    from ..telemetry.environment import git_revision, versions
+
+    mean = {}
+    for task in opts.tasks:
+        for length in opts.lengths:
+            accs = [r["accuracy"] for r in rows if r["task"] == task and r["length"] == length]
+            if accs:
+                mean.setdefault(task, {})[str(length)] = sum(accs) / len(accs)
+    return {
+        "run": name,
+        "checkpoint": str(path),
+        "step": step,
+        "attention": cfg.model.attention,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "trained_seq_len": cfg.train.seq_len,
+        "device": _device_name(device),
+        "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
+        "versions": versions(),
+        "git": git_revision(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "data": {"source": cfg.data.source, "tokenizer": cfg.data.tokenizer, "overrides": list(opts.data_overrides)},
+        "validation": None if validation is None else {
+            "loss": validation.loss, "perplexity": validation.perplexity, "batches": validation.batches,
+            "tokens": validation.tokens, "seq_len": cfg.train.seq_len,
+        },
+        "retrieval": {
+            "tasks": list(opts.tasks), "lengths": list(opts.lengths), "depths": list(opts.depths),
+            "samples": opts.samples, "seed": opts.seed, "kv_pairs": cfg.data.retrieval.kv_pairs,
+            "mean_accuracy": mean, "skipped": skipped,
+        },
+    }
+
+
+def _write(out: Path, rows: list[dict], skipped: list[dict], grids: dict[str, Grid], summary: dict) -> list[Path]:
+    with open(out / "eval.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "depth": f"{r['depth']:g}", "accuracy": f"{r['accuracy']:.4f}"})
+    (out / "eval.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
+    images = []
+    for task, grid in grids.items():
+        images.append(plot_grids([grid], out / f"retrieval_{task}.png"))
+    for old in out.glob("retrieval_*.png"):  # never leave a heatmap of a task this run did not measure
+        if old not in images:
+            old.unlink()
+    return images
+
+
+def _table(grid: Grid) -> str:
+    from ..bench.common import format_table
+
+    columns = ["depth"] + [length_label(n) for n in grid.lengths]
+    table = []
+    for i, depth in enumerate(grid.depths):
+        row = {"depth": f"{100 * depth:.0f}%"}
+        for j, n in enumerate(grid.lengths):
+            value = grid.acc[i, j]
+            row[length_label(n)] = f"{value:.2f}" if math.isfinite(value) else "skip"
+        table.append(row)
+    means = {"depth": "mean"}
+    for j, n in enumerate(grid.lengths):
+        column = grid.acc[:, j]
+        means[length_label(n)] = f"{np.nanmean(column):.2f}" if np.isfinite(column).any() else "skip"
+    return format_table(table + [means], columns)

@@ -1,0 +1,361 @@
+"""`nsa eval` and `nsa compare`: the retrieval generator, its training source, exact-match scoring, and both
+commands end to end on tiny runs (CPU, short contexts)."""
+
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from nsa.cli import main
+from nsa.config import load_config
+from nsa.data.loader import RetrievalBatches, build_data
+from nsa.data.tokenizers import ByteTokenizer, get_tokenizer
+from nsa.errors import UserError
+from nsa.eval import runner
+from nsa.eval.compare import USED_GATE, render_compare
+from nsa.eval.retrieval import FILLER, RetrievalTasks, example_rng
+from nsa.eval.scoring import answer_logits, exact_match
+from nsa.inference.generate import generate
+from nsa.model import Transformer
+from nsa.model.config import ModelConfig
+from nsa.train.loop import train
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY = [
+    "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+    "model.mlp_hidden=64", "train.seq_len=128", "train.batch_size=4", "train.steps=6", "train.warmup_steps=2",
+    "train.eval_every=3", "train.eval_batches=2", "train.log_every=2", "train.sample_tokens=0",
+    "train.progress=false", "telemetry.health_every=3", "telemetry.tensorboard=false",
+]
+
+
+def tokenizers():
+    out = [ByteTokenizer()]
+    try:
+        out.append(get_tokenizer("gpt2"))
+    except UserError:  # no offline GPT-2 ranks file on this machine
+        pass
+    return out
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 1024, path
+
+
+# ------------------------------------------------------------------------------------------ generator
+
+
+@pytest.mark.parametrize("tokenizer", tokenizers(), ids=lambda t: t.name)
+@pytest.mark.parametrize("task", ["passkey", "kv"])
+def test_examples_hit_the_length_exactly_and_put_the_needle_at_the_depth(tokenizer, task):
+    tasks = RetrievalTasks(tokenizer, kv_pairs=6)
+    longest_sentence = max(len(tokenizer.encode(s)) for s in FILLER)
+    for length in (256, 301, 1024):
+        for depth in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
+            ex = tasks.example(task, length, depth, example_rng(7, length, int(depth * 100)))
+            assert ex.tokens.dtype == np.int64 and len(ex.tokens) == length
+            question_len = ex.answer_start - ex.needle_start - ex.needle_len  # at depth 1, nothing in between
+            haystack = ex.answer_start - len(tokenizer.encode(_question(task, tokenizer, ex)))
+            # The needle sits at a gap between sentences (or pairs): within one such unit of the request.
+            assert abs(ex.needle_start - depth * (haystack - ex.needle_len)) <= max(longest_sentence, 40)
+            assert ex.depth == pytest.approx(ex.needle_start / (haystack - ex.needle_len))
+            if depth == 0.0:
+                assert ex.needle_start == 0
+            if depth == 1.0:
+                assert ex.needle_start + ex.needle_len == haystack and question_len > 0
+            needle = tokenizer.decode(ex.tokens[ex.needle_start:ex.needle_start + ex.needle_len])
+            answer = tokenizer.decode(ex.tokens[ex.answer_start:])
+            assert answer == " " + ex.answer
+            if task == "passkey":
+                assert needle == f" The pass key is {ex.answer}. Remember it."
+                assert len(ex.answer) == 5 and ex.answer.isdigit()
+            else:
+                key = needle.split("key ")[1].split(" ")[0]
+                assert needle == f" The value of key {key} is {ex.answer}."
+                text = tokenizer.decode(ex.tokens)
+                assert text.count(f"key {key} is") == 2  # the pair and the question, never a distractor
+                assert text.endswith(f" What is the value of key {key}? The value of key {key} is {ex.answer}")
+                assert text.count("The value of key") == ex.distractors + 2
+                if length == 1024:
+                    assert ex.distractors == 5  # all pairs fit in half of 1024 tokens
+
+
+def _question(task, tokenizer, ex):
+    if task == "passkey":
+        return " What is the pass key? The pass key is"
+    key = tokenizer.decode(ex.tokens[ex.needle_start:ex.needle_start + ex.needle_len]).split("key ")[1].split(" ")[0]
+    return f" What is the value of key {key}? The value of key {key} is"
+
+
+def test_examples_are_deterministic_per_seed_and_short_lengths_are_refused():
+    tasks = RetrievalTasks(ByteTokenizer())
+    a = tasks.example("kv", 512, 0.3, example_rng(1, 2))
+    b = tasks.example("kv", 512, 0.3, example_rng(1, 2))
+    c = tasks.example("kv", 512, 0.3, example_rng(1, 3))
+    assert np.array_equal(a.tokens, b.tokens) and a.answer == b.answer
+    assert not np.array_equal(a.tokens, c.tokens)
+    with pytest.raises(ValueError, match="needs at least"):
+        tasks.example("passkey", 60, 0.5, example_rng(0))
+
+
+# -------------------------------------------------------------------------------------- training source
+
+
+def drain(stream, n):
+    return [stream.next_batch() for _ in range(n)]
+
+
+def test_retrieval_source_resumes_exactly_and_validation_differs():
+    tasks = RetrievalTasks(ByteTokenizer(), kv_pairs=4)
+    stream = RetrievalBatches(tasks, "mixed", 200, 3, seed=5, rank=1)
+    drain(stream, 3)
+    state = json.loads(json.dumps(stream.state_dict()))
+    expected = drain(stream, 4)
+    resumed = RetrievalBatches(tasks, "mixed", 200, 3, seed=5, rank=1)
+    resumed.load_state_dict(state)
+    for (x, y), (ex, ey) in zip(drain(resumed, 4), expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+    x, y = expected[0]
+    assert x.shape == y.shape == (3, 200) and torch.equal(x[:, 1:], y[:, :-1])
+    texts = [ByteTokenizer().decode(row.tolist()) for row in y]
+    assert all(" is " in t[-12:] for t in texts)  # every row ends with its answer
+
+    # data.retrieval.loss=answer: the same inputs, and targets only on the answer (" NNNNN": 6 bytes at the end).
+    full = RetrievalBatches(tasks, "passkey", 200, 3, seed=5).next_batch()
+    x, y = RetrievalBatches(tasks, "passkey", 200, 3, seed=5, answer_only=True).next_batch()
+    kept = y != -1
+    assert torch.equal(x, full[0]) and kept[:, -6:].all() and (kept.sum(1) == 6).all()
+    assert torch.equal(y[kept], full[1][kept])
+
+    cfg = load_config(None, ["data.source=retrieval", "data.retrieval.task=passkey", "train.seq_len=256"])
+    data = build_data(cfg.data, ByteTokenizer(), 256, 2, 2, seed=9)
+    train_x, _ = data.train.next_batch()
+    data.train.close()
+    assert len(data.val) == 2 and not torch.equal(train_x, data.val[0][0])
+    other_rank = build_data(cfg.data, ByteTokenizer(), 256, 2, 2, seed=9, rank=1, world=2)
+    assert not torch.equal(other_rank.train.next_batch()[0], train_x)
+    other_rank.train.close()
+    with pytest.raises(UserError, match="too short for data.retrieval.task=kv"):
+        build_data(load_config(None, ["data.source=retrieval", "data.retrieval.task=kv"]).data, ByteTokenizer(),
+                   40, 2, 1, seed=0)
+
+
+# -------------------------------------------------------------------------------------------- scoring
+
+
+class CopyModel(nn.Module):
+    """Logits that put all mass on a fixed next token per position: the answer it 'knows' is `script`."""
+
+    def __init__(self, script: torch.Tensor, vocab: int = 300):
+        super().__init__()
+        self.script, self.vocab = script, vocab
+        self.dummy = nn.Parameter(torch.zeros(()))
+
+    def forward(self, tokens):
+        nxt = torch.cat([self.script[:, 1:], self.script[:, :1]], dim=1)  # position t predicts script[t + 1]
+        return torch.nn.functional.one_hot(nxt, self.vocab).float() * 10 + self.dummy
+
+
+def test_exact_match_scores_the_answer_tokens_only():
+    tasks = RetrievalTasks(ByteTokenizer())
+    examples = [tasks.example(task, 256, 0.5, example_rng(3, i)) for i, task in enumerate(["passkey", "kv", "kv"])]
+    tokens = torch.from_numpy(np.stack([e.tokens for e in examples]))
+    start = torch.tensor([e.answer_start for e in examples])
+    length = torch.tensor([e.answer_len for e in examples]) - torch.tensor([0, 0, 2])  # rows may differ
+    assert exact_match(CopyModel(tokens), tokens, start, length).tolist() == [True, True, True]
+
+    wrong = tokens.clone()
+    wrong[0, -1] = (wrong[0, -1] + 1) % 256  # the model believes another last digit
+    wrong[1, 10] = (wrong[1, 10] + 1) % 256  # a filler token: not part of the answer
+    wrong[2, -1] = (wrong[2, -1] + 1) % 256  # beyond row 2's (shortened) answer
+    assert exact_match(CopyModel(wrong), tokens, start, length).tolist() == [False, True, True]
+    wrong[2, int(start[2])] = 0  # row 2's first answer token
+    assert exact_match(CopyModel(wrong), tokens, start, length).tolist() == [False, True, False]
+
+
+def test_exact_match_agrees_with_greedy_decoding_of_a_real_model():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=320, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                                    mlp_hidden=64)).eval()
+    prompt = torch.randint(0, 256, (150,))
+    decoded = torch.tensor(generate(model, prompt.tolist(), 4, temperature=0.0)[0])
+    tokens = torch.cat([prompt, decoded])[None]
+    start, length = torch.tensor([150]), torch.tensor([4])
+    assert exact_match(model, tokens, start, length).tolist() == [True]
+    changed = tokens.clone()
+    changed[0, 152] = (changed[0, 152] + 1) % 320
+    assert exact_match(model, changed, start, length).tolist() == [False]
+    # The output head applied at a few positions equals the full forward's logits there.
+    positions = torch.tensor([[149, 150, 151, 152]])
+    with torch.no_grad():
+        full = model(tokens)[0, 149:153]
+        assert torch.allclose(answer_logits(model, tokens, positions)[0], full, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two tiny runs (NSA, dense) of a few steps, evaluated at short lengths."""
+    root = tmp_path_factory.mktemp("runs")
+    for attention in ("nsa", "dense"):
+        train(load_config(None, TINY + [f"model.attention={attention}", f"train.out_dir={root}",
+                                        f"train.run_name={attention}"]))
+    return root
+
+
+def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
+    code = main(["eval", str(runs / "nsa"), "--lengths", "256,128,90", "--depths", "0,0.5,1", "--samples", "2",
+                 "--val-batches", "2", "--no-progress"])
+    assert code == 0
+    out = runs / "nsa" / "eval"
+    rows = list(csv.DictReader(open(out / "eval.csv")))
+    assert list(rows[0]) == ["task", "length", "depth", "samples", "accuracy"]
+    # kv does not fit in 90 tokens: that length is skipped for kv only.
+    cells = {(r["task"], int(r["length"]), float(r["depth"])) for r in rows}
+    assert cells == {("passkey", n, d) for n in (90, 128, 256) for d in (0, 0.5, 1)} | {
+        ("kv", n, d) for n in (128, 256) for d in (0, 0.5, 1)}
+    assert all(r["samples"] == "2" and 0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
+    info = json.loads((out / "eval.json").read_text())
+    assert info["step"] == 6 and info["attention"] == "nsa" and info["trained_seq_len"] == 128
+    assert info["device"] == "cpu" and info["versions"]["torch"] == torch.__version__
+    assert info["validation"]["batches"] == 2 and math.isclose(
+        info["validation"]["perplexity"], math.exp(info["validation"]["loss"]), rel_tol=1e-9)
+    assert [(s["task"], s["length"]) for s in info["retrieval"]["skipped"]] == [("kv", 90)]
+    assert set(info["retrieval"]["mean_accuracy"]) == {"passkey", "kv"}
+    for task in ("passkey", "kv"):
+        assert_png(out / f"retrieval_{task}.png")
+    printed = capsys.readouterr().out
+    assert "validation: loss" in printed and "passkey: exact-match accuracy" in printed and "mean" in printed
+
+
+def test_eval_reports_a_length_that_runs_out_of_memory_as_skipped(runs, monkeypatch, tmp_path, capsys):
+    real = runner.exact_match
+
+    def limited(model, tokens, start, length):
+        if tokens.shape[1] > 200:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return real(model, tokens, start, length)
+
+    monkeypatch.setattr(runner, "exact_match", limited)
+    result = runner.run_eval(runs / "dense", runner.EvalOptions(
+        lengths=[128, 256], depths=[0.0, 1.0], tasks=["passkey"], samples=2, val_batches=0, out=tmp_path,
+        progress=False))
+    assert result.validation is None and {r["length"] for r in result.rows} == {128}
+    assert result.skipped == [{"task": "passkey", "length": 256, "reason": result.skipped[0]["reason"]}]
+    assert result.skipped[0]["reason"].startswith("out of memory at batch 256 (CUDA out of memory.")
+    assert "skip" in capsys.readouterr().out
+
+
+def test_compare_two_runs(runs, tmp_path):
+    for name in ("nsa", "dense"):
+        if not (runs / name / "eval" / "eval.csv").exists():
+            runner.run_eval(runs / name, runner.EvalOptions(lengths=[128], depths=[0.0, 1.0], tasks=["passkey"],
+                                                            samples=1, val_batches=1, progress=False))
+    report = render_compare([runs / "nsa", runs / "dense"], tmp_path / "cmp")
+    text = report.read_text()
+    for name in ("loss.png", "retrieval_passkey.png", "gates.png"):
+        assert_png(tmp_path / "cmp" / name)
+        assert f"![]({name})" in text
+    assert "| nsa | nsa | 1337 | 6 |" in text and "| dense | dense | 1337 | 6 |" in text and ") at step 6 |" in text
+    assert "**Margin:** NSA's mean validation loss is" in text
+    assert "| nsa (nsa) |" in text and "| dense (dense) |" in text  # both heatmaps' rows
+    assert "| nsa | 6 |" in text and "all three used?" in text  # the NSA run's gates; dense has none
+
+
+# ------------------------------------------------------------------------------ compare, fake runs
+
+
+def fake_run(root: Path, name: str, attention: str, seed: int, final_val: float, gates=None) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    with open(run / "metrics.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "tokens", "loss", "val_loss"])
+        for step in (10, 20, 30, 40):
+            w.writerow([step, step * 1000, 5.0 - step / 20, final_val + (40 - step) / 100 if step % 20 == 0 else ""])
+    (run / "config.yaml").write_text(f"model:\n  attention: {attention}\ntrain:\n  seed: {seed}\n")
+    if gates is not None:
+        layers = [{"layer": i, "gate_mean": g, "gate_std": [0.1] * 3, "sel_distance_mean": 100.0,
+                   "sel_forced_share": 0.5, "sel_concentration": 0.7} for i, g in enumerate(gates)]
+        (run / "nsa_stats.jsonl").write_text(json.dumps({"step": 40, "layers": layers}) + "\n")
+    return run
+
+
+def test_compare_shows_the_seed_spread_the_margin_and_unused_branches(tmp_path):
+    healthy = [[0.4, 0.5, 0.6], [0.3, 0.4, 0.5]]
+    collapsed = [[0.01, 0.5, 0.6], [0.02, 0.4, 0.5]]
+    runs = [
+        fake_run(tmp_path, "nsa-s1", "nsa", 1, 2.00, healthy),
+        fake_run(tmp_path, "nsa-s2", "nsa", 2, 2.10, collapsed),
+        fake_run(tmp_path, "dense-s1", "dense", 1, 2.50),
+        fake_run(tmp_path, "dense-s2", "dense", 2, 2.70),
+    ]
+    text = render_compare(runs, tmp_path / "out").read_text()
+    assert "| nsa | 2 | 2.0500 | 0.0707; 2.0000-2.1000 |" in text
+    assert "| dense | 2 | 2.6000 | 0.1414; 2.5000-2.7000 |" in text
+    assert "NSA's mean validation loss is 0.5500 nats lower (better) than dense's" in text
+    assert "The margin is larger than the widest spread between seeds of one kind (0.2000)." in text
+    assert "| nsa-s1 | 40 | 0.350 | 0.450 | 0.550 | yes |" in text
+    assert f"| nsa-s2 | 40 | 0.015 | 0.450 | 0.550 | no (compressed below {USED_GATE}) |" in text
+    assert "layer 0: compressed gate collapsed" in text
+    assert "No run has retrieval results" in text and not (tmp_path / "out" / "retrieval_passkey.png").exists()
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def nsa_cli(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nsa", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_user_errors_exit_2_with_one_line(runs, tmp_path, capsys):
+    cases = [
+        (["eval", str(tmp_path / "missing")], "does not exist"),
+        (["eval", str(tmp_path)], "no complete checkpoint"),
+        (["eval", str(runs / "nsa"), "--lengths", "4k,8192"], "--lengths: '4k' is not an integer"),
+        (["eval", str(runs / "nsa"), "--depths", "0,1.5"], "--depths: 1.5 is outside [0, 1]"),
+        (["eval", str(runs / "nsa"), "--tasks", "passkey,needle"], "--tasks: unknown task 'needle'"),
+        (["eval", str(runs / "nsa"), "train.steps=3"], "overrides of the data section only"),
+        (["eval", str(runs / "nsa"), "data.retrieval.kv_pairs=0"], "data.retrieval.kv_pairs must be >= 1"),
+        (["compare", str(tmp_path / "missing"), "--out", str(tmp_path / "o")], "does not exist"),
+    ]
+    for args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("nsa: error: ") and message in err, (args, err)
+        assert err.strip().count("\n") == 0, err
+    # The same through the process boundary: exit status 2, one line, no traceback.
+    out = nsa_cli("eval", str(tmp_path / "missing"))
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("nsa: error: ") and "does not exist" in out.stderr
+
+
+# ------------------------------------------------------------------------------------- the recipe script
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_learn_check_smoke_runs_end_to_end(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    out = subprocess.run(["bash", "benchmarks/learn_check.sh", "--smoke", "--work", str(tmp_path / "work")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert len(files) <= 8, files  # what the device machine sends back
+    assert {"learn_check.log", "learn_check.tgz", "compare_learn.md", "compare_retrieval.md"} <= set(files)
+    learn = (tmp_path / "out" / "compare_learn.md").read_text()
+    assert "learn-nsa-s1" in learn and "learn-dense-s1" in learn and "**Margin:**" in learn
+    assert "retrieval-nsa" in (tmp_path / "out" / "compare_retrieval.md").read_text()
