@@ -22,7 +22,7 @@ from nsa.data.tokenizers import ByteTokenizer, get_tokenizer
 from nsa.errors import UserError
 from nsa.eval import runner
 from nsa.eval.compare import USED_GATE, render_compare
-from nsa.eval.retrieval import FILLER, RetrievalTasks, example_rng
+from nsa.data.retrieval import FILLER, RetrievalTasks, example_rng
 from nsa.eval.scoring import answer_logits, exact_match
 from nsa.inference.generate import generate
 from nsa.model import Transformer

@@ -8,7 +8,7 @@ from typing import Literal
 
 @dataclass
 class RetrievalConfig:
-    """The synthetic retrieval task of data.source='retrieval' (nsa/eval/retrieval.py): every training sequence
+    """The synthetic retrieval task of data.source='retrieval' (nsa/data/retrieval.py): every training sequence
     is one fresh example of train.seq_len tokens, its needle at a uniformly random depth."""
 
     task: Literal["passkey", "kv", "mixed"] = "passkey"

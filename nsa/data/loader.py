@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..eval.retrieval import TASKS, RetrievalTasks, example_rng
+from .retrieval import TASKS, RetrievalTasks, example_rng
 from .config import DataConfig
 from .packing import build_splits
 from .shards import ShardWindows, load_meta
@@ -162,7 +162,7 @@ class SyntheticBatches:
 
 
 class RetrievalBatches:
-    """Retrieval examples (nsa/eval/retrieval.py), one per sequence of seq_len + 1 tokens, each with its needle at
+    """Retrieval examples (nsa/data/retrieval.py), one per sequence of seq_len + 1 tokens, each with its needle at
     a uniformly random depth; batch i of rank r depends only on (seed, r, i)."""
 
     def __init__(self, tasks: RetrievalTasks, task: str, seq_len: int, batch_size: int, seed: int, rank: int = 0,

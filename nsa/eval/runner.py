@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from .heatmap import Grid, length_label, plot_grids
-from .retrieval import TASKS, RetrievalTasks, example_rng
+from ..data.retrieval import TASKS, RetrievalTasks, example_rng
 from .scoring import ValidationLoss, exact_match, validation_loss
 
 CSV_FIELDS = ["task", "length", "depth", "samples", "accuracy"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..data.tokenizers import Tokenizer
+from .tokenizers import Tokenizer
 
 TASKS = ("passkey", "kv")
 
