@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..data.retrieval import TASKS, RetrievalTasks, example_rng
 from ..errors import UserError
 from .heatmap import Grid, length_label, plot_grids
-from ..data.retrieval import TASKS, RetrievalTasks, example_rng
 from .scoring import ValidationLoss, exact_match, validation_loss
 
 CSV_FIELDS = ["task", "length", "depth", "samples", "accuracy"]
