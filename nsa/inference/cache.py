@@ -67,10 +67,12 @@ class NSALayerCache:
 
     def write(self, p: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
         """Store one token per sequence (project()'s outputs [B,1,...]) at positions [B]."""
-        rows = _rows(positions)
-        for s in range(self.k.shape[0]):
-            self.k[s, rows, positions] = p[f"k_{BRANCHES[s]}"][:, 0]
-            self.v[s, rows, positions] = p[f"v_{BRANCHES[s]}"][:, 0]
+        # One index_put_ on the base tensor per cache: writing through a view (self.k[s]) makes
+        # torch.compile functionalize it as a scatter that copies the whole cache, every step.
+        sets = torch.arange(self.k.shape[0], device=positions.device)[:, None]
+        where = (sets, _rows(positions)[None], positions[None])  # [S,B] entries
+        for cache, name in ((self.k, "k"), (self.v, "v")):
+            cache.index_put_(where, torch.stack([p[f"{name}_{BRANCHES[s]}"][:, 0] for s in range(cache.shape[0])]))
 
     def emit(self, compress_k: BlockCompressor, compress_v: BlockCompressor, positions: torch.Tensor) -> None:
         """Append the compressed token of the block ending at t where one is due: t+1 >= l, (t+1-l) % d == 0.
