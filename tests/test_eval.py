@@ -163,8 +163,9 @@ class CopyModel(nn.Module):
         self.dummy = nn.Parameter(torch.zeros(()))
 
     def forward(self, tokens):
+        self.read = tokens.shape[1]
         nxt = torch.cat([self.script[:, 1:], self.script[:, :1]], dim=1)  # position t predicts script[t + 1]
-        return torch.nn.functional.one_hot(nxt, self.vocab).float() * 10 + self.dummy
+        return torch.nn.functional.one_hot(nxt[:, :tokens.shape[1]], self.vocab).float() * 10 + self.dummy
 
 
 def test_exact_match_scores_the_answer_tokens_only():
@@ -173,7 +174,9 @@ def test_exact_match_scores_the_answer_tokens_only():
     tokens = torch.from_numpy(np.stack([e.tokens for e in examples]))
     start = torch.tensor([e.answer_start for e in examples])
     length = torch.tensor([e.answer_len for e in examples]) - torch.tensor([0, 0, 2])  # rows may differ
-    assert exact_match(CopyModel(tokens), tokens, start, length).tolist() == [True, True, True]
+    model = CopyModel(tokens)
+    assert exact_match(model, tokens, start, length).tolist() == [True, True, True]
+    assert model.read == 255  # as the trainer reads an example of seq_len + 1 tokens: the last is only a target
 
     wrong = tokens.clone()
     wrong[0, -1] = (wrong[0, -1] + 1) % 256  # the model believes another last digit
@@ -239,6 +242,23 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
         assert_png(out / f"retrieval_{task}.png")
     printed = capsys.readouterr().out
     assert "validation: loss" in printed and "passkey: exact-match accuracy" in printed and "mean" in printed
+
+
+def test_eval_builds_each_length_in_the_trainers_layout(runs, monkeypatch, tmp_path):
+    """A context of L tokens is an example of L + 1 tokens ending in its answer, read without its last token:
+    the model sees its question end where training at train.seq_len = L put it (NSA's blocks are aligned to
+    positions, so a model trained at one length may rely on that place)."""
+    seen = []
+    real = runner.exact_match
+
+    def spy(model, tokens, start, length):
+        seen.append((tokens.shape[1], (start + length).tolist()))
+        return real(model, tokens, start, length)
+
+    monkeypatch.setattr(runner, "exact_match", spy)
+    assert main(["eval", str(runs / "nsa"), "--lengths", "128", "--depths", "0,1", "--samples", "1", "--tasks",
+                 "passkey", "--val-batches", "1", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert seen == [(129, [129, 129])]
 
 
 def test_eval_reports_a_length_that_runs_out_of_memory_as_skipped(runs, monkeypatch, tmp_path, capsys):

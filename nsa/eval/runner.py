@@ -195,7 +195,11 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
             try:
                 # Seeded by the cell's coordinates, not its place in the lists: the same cell of two
                 # evaluations (any --tasks order, any other depths) holds the same examples.
-                examples = [tasks.example(task, length, depth, example_rng(opts.seed, TASKS.index(task), length,
+                # length + 1 tokens, of which the model reads `length` (exact_match): the trainer's layout for
+                # train.seq_len = length. (A model trained at a fixed length sees its question end at the same
+                # place in every example; NSA's block grid is fixed to positions, so that place is part of what
+                # it was trained on.)
+                examples = [tasks.example(task, length + 1, depth, example_rng(opts.seed, TASKS.index(task), length,
                                                                            round(depth * 10_000), s))
                             for depth in opts.depths for s in range(opts.samples)]
             except ValueError as e:

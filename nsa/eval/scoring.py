@@ -38,7 +38,9 @@ def exact_match(model: nn.Module, tokens: torch.Tensor, answer_start: torch.Tens
     """bool [B]: the argmax at every answer position, given the true prefix, is the answer's token.
 
     tokens [B,T] hold prompt then answer, the answer of row b at [answer_start[b], answer_start[b] +
-    answer_len[b]) (rows may differ). Runs under bf16 autocast on CUDA, fp32 elsewhere.
+    answer_len[b]) (rows may differ). The model reads tokens[:, :-1], as the trainer reads an example of
+    seq_len + 1 tokens: the last token is only ever a target, and an example built for a training length
+    puts its question at the positions training did. Runs under bf16 autocast on CUDA, fp32 elsewhere.
     """
     device = tokens.device
     if (answer_start < 1).any() or (answer_len < 1).any() or (answer_start + answer_len > tokens.shape[1]).any():
@@ -47,7 +49,7 @@ def exact_match(model: nn.Module, tokens: torch.Tensor, answer_start: torch.Tens
     valid = offsets[None, :] < answer_len[:, None]
     targets_at = torch.where(valid, answer_start[:, None] + offsets[None, :], answer_start[:, None])
     with autocast_context("auto", device):
-        logits = answer_logits(model, tokens, targets_at - 1)
+        logits = answer_logits(model, tokens[:, :-1], targets_at - 1)
     right = logits.argmax(-1) == tokens.gather(1, targets_at)
     return (right | ~valid).all(-1)
 
