@@ -9,8 +9,10 @@
 #   eval       nsa eval of every run: the validation loss; for the retrieval runs also the passkey grid over
 #              4k-64k tokens and depths 0-100%
 #   compare    nsa compare of the learn runs, and of the retrieval runs
-# Expected on an H100 with the defaults: learn NSA ~2 min, learn dense ~1.5 min, retrieval NSA ~3 min, evals
-# ~1.5 min: 8-9 minutes. Each training run is also stopped at a wall-clock limit (--learn-limit,
+# Measured on an H100 with the defaults: learn NSA ~2 min, learn dense ~1.5 min, retrieval NSA ~5 min (4 launches),
+# retrieval dense ~3 min, evals ~1 min. Both parts do not fit one 10-minute device call: run --no-retrieval and
+# --no-learn --retrieval-dense as two calls.
+# Each training run is also stopped at a wall-clock limit (--learn-limit,
 # --retrieval-limit, and whatever is left of --budget after reserving time for the evals) by SIGINT, on which
 # the trainer saves a checkpoint. Running the script again on the same (warm) machine resumes every run from
 # its checkpoint: runs live in --work (default runs/learn-check in the repository: git ignores it, the
