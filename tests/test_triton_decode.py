@@ -26,9 +26,9 @@ def model_for(n_heads, n_kv_heads, head_dim=8, backend="reference", **hyper):
     return model
 
 
-def random_layer_cache(model, positions, seed):
+def random_layer_cache(model, positions, seed, capacity=80):
     """Layer 0's cache filled with random keys/values, with the compressed tokens each position has emitted."""
-    cache = new_cache(model, len(positions), 80)
+    cache = new_cache(model, len(positions), capacity)
     layer = cache.layers[0]
     gen = torch.Generator().manual_seed(seed)
     for buf in (layer.k, layer.v, layer.k_cmp, layer.v_cmp):
@@ -74,6 +74,35 @@ def test_triton_decode_with_a_long_window_and_blocks_across_chunks(seed):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-select", "one-program-select"])
+@pytest.mark.parametrize("capacity,positions", [(600, [3, 100, 300, 520, 599]), (2100, [700, 1500, 2099])],
+                         ids=["3-groups", "9-groups"])
+def test_triton_decode_ranks_many_chunk_groups_like_the_pytorch_path(parallel, capacity, positions, monkeypatch):
+    # Two-token selection blocks: 300 of them are 19 chunks of 16, i.e. 3 groups of 8 chunks for the parallel
+    # ranking, and 1,050 are 66 chunks, 9 groups: more than the 8 lists the merge takes at once.
+    from nsa.ops.triton import tuning
+
+    monkeypatch.setattr(tuning.TUNING, "decode_parallel_select", parallel)
+    model = model_for(6, 1, block_len=8, block_stride=2, sel_block=2, n_sel=8, window=100)
+    layer, t = random_layer_cache(model, positions, seed=11, capacity=capacity)
+    gen = torch.Generator().manual_seed(12)
+    n = len(positions)
+    q, gates = torch.randn(n, 6, 8, generator=gen).to(DEVICE), torch.rand(n, 6, 3, generator=gen).to(DEVICE)
+    hyper = dict(sel_block=2, n_sel=8, window=100)
+    want, want_reads = decode_attention(q, gates, layer, t, **hyper, backend="reference")
+    want_selected = layer.selected.clone()
+    # Every query that reaches past the first group chooses unforced blocks in another: the ranking crosses
+    # groups (and, at 2,100 tokens, the merge's tiles of 8 groups).
+    j_t = t // 2
+    far = j_t >= 256
+    chosen = want_selected[far, 0]  # one key/value group
+    assert far.any() and ((chosen >= 128) & (chosen < j_t[far, None] - 1)).any(-1).all()
+    layer.selected.fill_(-7)
+    got, got_reads = decode_attention(q, gates, layer, t, **hyper, backend="triton")
+    assert torch.equal(layer.selected, want_selected) and torch.equal(got_reads, want_reads)
+    torch.testing.assert_close(got, want, **TOL)
+
+
 def test_decoding_with_the_kernel_equals_the_full_forward(monkeypatch):
     import nsa.inference.decode as decode_module
 

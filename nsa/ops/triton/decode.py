@@ -9,7 +9,12 @@ group) would leave the GPU nearly idle at batch 1. The work is split instead, in
      token can reach across a chunk edge);
   B. one program per (sequence, group): merges the chunks into the compressed output and lse,
      rescales every chunk's contributions to exp(s - lse), sums the heads, and keeps a running
-     top-n with the forced blocks (the same int64 ranking keys as the training selection);
+     top-n with the forced blocks (the same int64 ranking keys as the training selection).
+     With TUNING.decode_parallel_select and more than one group of CT chunks, the ranking is split
+     in two: B1, one program per (group of CT chunks, sequence, group), computes the lse from the
+     chunks' (max, sum) alone and keeps its chunks' own top K; B2 merges the compressed output and
+     the groups' top-K lists. The global top n is among the groups' top K, so the choice is the same,
+     and no program walks every chunk's scores in series;
   C. one program per (chosen block or window tile, sequence, group): a partial softmax over
      those raw tokens (only tokens <= t);
   D. one program per (sequence, group): merges the selected and window partials and forms the
@@ -25,6 +30,7 @@ import triton.language as tl
 
 from .common import LOG2E, load_tile, store_tile
 from .selection import _overlap
+from .tuning import TUNING
 
 
 @triton.jit
@@ -101,6 +107,114 @@ def _merge(PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr,
 
 
 @triton.jit
+def _merge_stats(PM, PL, first, count, HP: tl.constexpr, PT: tl.constexpr):
+    """(max, sum) of `count` partial softmaxes: _merge's arithmetic in the same order, without the sums of
+    p @ v, so that every program that needs the lse gets the same bits."""
+    rh = tl.arange(0, HP)
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
+    for p0 in range(0, count, PT):
+        pp = p0 + tl.arange(0, PT)
+        ok = pp < count
+        row = (first + pp).to(tl.int64)[:, None] * HP + rh[None, :]
+        m = tl.load(PM + row, mask=ok[:, None], other=float("-inf"))
+        l_p = tl.load(PL + row, mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        f = tl.exp2(m - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(l_p * f, 0)
+        m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
+def _lse2(m_i, l_i):
+    has = l_i > 0
+    return tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))  # no key: every p is 0
+
+
+@triton.jit
+def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr):
+    """Ranking keys [1, CT*K] of the selection blocks of chunks c0 .. c0+CT-1: the Eq. 9 scores rescaled to
+    exp(s - lse) and summed over the heads, as score bits * 2^32 + (2^32 - 1 - j) (ties go to the lower
+    block), the forced blocks at +inf, blocks after t's at -1."""
+    rh, jj = tl.arange(0, HP), tl.arange(0, K)
+    cc = c0 + tl.arange(0, CT)
+    cur = (first + cc).to(tl.int64)[:, None] * HP + rh[None, :]  # [CT, HP]
+    prev = cur - HP
+    ok_cur = (cc < NCH)[:, None]
+    ok_prev = ((cc >= 1) & (cc - 1 < NCH))[:, None]
+    f_cur = tl.exp2(tl.load(PM + cur, mask=ok_cur, other=float("-inf")) - lse2[None, :])
+    f_prev = tl.exp2(tl.load(PM + prev, mask=ok_prev, other=float("-inf")) - lse2[None, :])
+    sc = tl.load(PSC + cur[:, :, None] * (2 * K) + jj[None, None, :], mask=ok_cur[:, :, None], other=0.0)
+    sn = tl.load(PSC + prev[:, :, None] * (2 * K) + K + jj[None, None, :], mask=ok_prev[:, :, None], other=0.0)
+    score = tl.sum(sc * f_cur[:, :, None], 1) + tl.sum(sn * f_prev[:, :, None], 1)  # [CT, K]
+    j = (cc[:, None] * K + jj[None, :]).to(tl.int64)
+    forced = (j == 0) | (j == j_t) | (j == j_t - 1)
+    bits = tl.where(forced, 0x7F800000, score.to(tl.int32, bitcast=True).to(tl.int64))
+    return tl.reshape(tl.where(j <= j_t, bits * 4294967296 + (4294967295 - j), -1), [1, CT * K])
+
+
+@triton.jit
+def _store_chosen(best, IDX, b, g, sib, sig, n_sel, K: tl.constexpr, CT: tl.constexpr):
+    """The top n_sel of `best` [1, CT*K] (sorted by key, descending), as block indices in ascending order."""
+    jj = tl.arange(0, K)
+    top = tl.reshape(best, [CT, K])
+    top = tl.sum(tl.where((tl.arange(0, CT) == 0)[:, None], top, 0), 0)
+    chosen = tl.where((top >= 0) & (jj < n_sel), 4294967295 - (top & 4294967295), -1)
+    BIG: tl.constexpr = 2147483647
+    chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG))
+    chosen = tl.where(chosen == BIG, -1, chosen)
+    tl.store(IDX + b * sib + g * sig + jj, chosen, mask=jj < n_sel)
+
+
+@triton.jit
+def _select_part_kernel(
+    PM, PL, PSC, POS, PK, G, NCH, NCG, sel_block,
+    HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
+):
+    cg = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (pid // G).to(tl.int64)
+    t = tl.load(POS + b)
+    j_t = t // sel_block
+    first = pid * NCH
+    out = PK + (pid * NCG + cg).to(tl.int64) * K + tl.reshape(tl.arange(0, K), [1, K])
+    if cg * CT * K > j_t:  # every block of this group comes after t's
+        tl.store(out, tl.full([1, K], -1, tl.int64))
+    else:
+        m_i, l_i = _merge_stats(PM, PL, first, NCH, HP, PT)
+        key = _chunk_keys(PM, PSC, first, cg * CT, NCH, _lse2(m_i, l_i), j_t, HP, K, CT)
+        tl.store(out, tl.topk(key, K))  # the group's top K, sorted by key, descending
+
+
+@triton.jit
+def _select_merge_kernel(
+    PM, PL, PACC, PK, POS, OCMP, IDX,
+    sib, sig, G, NCH, NCG, sel_block, n_sel,
+    HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // G).to(tl.int64)
+    g = pid % G
+    t = tl.load(POS + b)
+    j_t = t // sel_block
+    rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
+    m_i, l_i, acc = _merge(PM, PL, PACC, pid * NCH, NCH, HP, BLOCK_DV, PT)
+    tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
+             acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
+    # CT groups' lists of K keys make one [1, CT*K] tile; groups past t's hold only -1.
+    kk = tl.arange(0, CT * K)
+    best = tl.full([1, CT * K], -1, tl.int64)
+    for c0 in range(0, tl.minimum(NCG, (j_t // K) // CT + 1), CT):
+        grp = c0 + kk // K
+        key = tl.load(PK + (pid * NCG + grp).to(tl.int64) * K + kk % K, mask=grp < NCG, other=-1)
+        best = tl.topk(tl.reshape(tl.join(best, tl.reshape(key, [1, CT * K])), [1, 2 * CT * K]), CT * K)
+    _store_chosen(best, IDX, b, g, sib, sig, n_sel, K, CT)
+
+
+@triton.jit
 def _select_kernel(
     PM, PL, PACC, PSC, POS, OCMP, IDX,
     sib, sig, G, NCH, sel_block, n_sel,
@@ -111,39 +225,17 @@ def _select_kernel(
     g = pid % G
     t = tl.load(POS + b)
     j_t = t // sel_block
-    rh, dv, jj = tl.arange(0, HP), tl.arange(0, BLOCK_DV), tl.arange(0, K)
+    rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
     first = pid * NCH
     m_i, l_i, acc = _merge(PM, PL, PACC, first, NCH, HP, BLOCK_DV, PT)
-    has = l_i > 0
     tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
-             acc / tl.where(has, l_i, 1.0)[:, None])
-    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))  # no key: every p is 0
-
+             acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
+    lse2 = _lse2(m_i, l_i)
     best = tl.full([1, CT * K], -1, tl.int64)
     for c0 in range(0, j_t // K + 1, CT):
-        cc = c0 + tl.arange(0, CT)
-        cur = (first + cc).to(tl.int64)[:, None] * HP + rh[None, :]  # [CT, HP]
-        prev = cur - HP
-        ok_cur = (cc < NCH)[:, None]
-        ok_prev = ((cc >= 1) & (cc - 1 < NCH))[:, None]
-        f_cur = tl.exp2(tl.load(PM + cur, mask=ok_cur, other=float("-inf")) - lse2[None, :])
-        f_prev = tl.exp2(tl.load(PM + prev, mask=ok_prev, other=float("-inf")) - lse2[None, :])
-        sc = tl.load(PSC + cur[:, :, None] * (2 * K) + jj[None, None, :], mask=ok_cur[:, :, None], other=0.0)
-        sn = tl.load(PSC + prev[:, :, None] * (2 * K) + K + jj[None, None, :], mask=ok_prev[:, :, None], other=0.0)
-        score = tl.sum(sc * f_cur[:, :, None], 1) + tl.sum(sn * f_prev[:, :, None], 1)  # [CT, K]
-        j = (cc[:, None] * K + jj[None, :]).to(tl.int64)
-        forced = (j == 0) | (j == j_t) | (j == j_t - 1)
-        bits = tl.where(forced, 0x7F800000, score.to(tl.int32, bitcast=True).to(tl.int64))
-        key = tl.reshape(tl.where(j <= j_t, bits * 4294967296 + (4294967295 - j), -1), [1, CT * K])
+        key = _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP, K, CT)
         best = tl.topk(tl.reshape(tl.join(best, key), [1, 2 * CT * K]), CT * K)
-    # The first K of `best` (sorted by key, descending) hold the top n_sel.
-    top = tl.reshape(best, [CT, K])
-    top = tl.sum(tl.where((tl.arange(0, CT) == 0)[:, None], top, 0), 0)
-    chosen = tl.where((top >= 0) & (jj < n_sel), 4294967295 - (top & 4294967295), -1)
-    BIG: tl.constexpr = 2147483647
-    chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG))
-    chosen = tl.where(chosen == BIG, -1, chosen)
-    tl.store(IDX + b * sib + g * sig + jj, chosen, mask=jj < n_sel)
+    _store_chosen(best, IDX, b, g, sib, sig, n_sel, K, CT)
 
 
 @triton.jit
@@ -258,9 +350,19 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         G, h, n_chunks, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
         **dims, HP=HP, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), **warps)
-    _select_kernel[(bg,)](
-        pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_chunks,
-        sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=8, PT=8, **warps)
+    CT = 8  # chunks per ranking tile
+    n_groups = triton.cdiv(n_chunks, CT)
+    if TUNING.decode_parallel_select and n_groups > 1:
+        part = torch.empty(bg, n_groups, K, device=q.device, dtype=torch.int64)
+        _select_part_kernel[(n_groups, bg)](
+            pm, pl, psc, positions, part, G, n_chunks, n_groups, sel_block, HP=HP, K=K, CT=CT, PT=8, **warps)
+        _select_merge_kernel[(bg,)](
+            pm, pl, pacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_chunks,
+            n_groups, sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **warps)
+    else:
+        _select_kernel[(bg,)](
+            pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_chunks,
+            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **warps)
     _span_kernel[(n_parts, bg)](
         q, k_sel, v_sel, k_win, v_win, positions, selected, sm, sl, sacc, sreads, q.stride(0), q.stride(1),
         k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
