@@ -5,6 +5,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -137,6 +138,25 @@ def test_retrieval_source_resumes_exactly_and_validation_differs():
     kept = y != -1
     assert torch.equal(x, full[0]) and kept[:, -6:].all() and (kept.sum(1) == 6).all()
     assert torch.equal(y[kept], full[1][kept])
+
+    # data.retrieval.tail: the answer ends up to `tail` tokens before the sequence does, filler after it, and the
+    # answer-only targets follow it there.
+    x, y = RetrievalBatches(tasks, "passkey", 200, 16, seed=5, answer_only=True, tail=32).next_batch()
+    kept = y != -1
+    positions = torch.arange(200).expand(16, -1)
+    first, last = positions.masked_fill(~kept, 999).amin(1), positions.masked_fill(~kept, -1).amax(1)
+    assert (kept.sum(1) == 6).all() and (last - first == 5).all()  # one contiguous 6-token answer per row
+    assert len(set(last.tolist())) > 4 and (last >= 199 - 32).all() and (last < 199).any()
+    decode = ByteTokenizer().decode
+    for row in range(16):
+        a, b = int(first[row]), int(last[row])
+        assert decode(x[row, :a + 1].tolist()).endswith(" The pass key is")
+        assert re.fullmatch(r" [1-9]\d{4}", decode(y[row, a:b + 1].tolist()))
+        assert not re.search(r"\d", decode(x[row, b + 2:].tolist()))  # filler after the answer
+    full = RetrievalBatches(tasks, "passkey", 200, 16, seed=5, tail=32).next_batch()
+    assert torch.equal(x, full[0]) and torch.equal(y[kept], full[1][kept])
+    with pytest.raises(UserError, match="train.seq_len=100 less data.retrieval.tail=40 is too short"):
+        RetrievalBatches(tasks, "passkey", 100, 1, seed=5, tail=40)
 
     cfg = load_config(None, ["data.source=retrieval", "data.retrieval.task=passkey", "train.seq_len=256"])
     data = build_data(cfg.data, ByteTokenizer(), 256, 2, 2, seed=9)

@@ -22,6 +22,12 @@ class RetrievalConfig:
     targets are -1, which the loss ignores). At 16k tokens the ~6 answer tokens are otherwise a 1/2700 share of
     the loss, their gradient drowned by the filler's residual ones; the validation loss then reads as nats per
     answer token."""
+    tail: int = 0
+    """Up to this many filler tokens after the answer (a uniform number per example), so that the question does not
+    always end where the sequence does. NSA's compression and selection blocks are fixed to positions: trained
+    with 0 at one length, a model sees its question at one place of that grid in every example and may depend
+    on it (on an H100, moving it one token halved NSA's exact match at 16k). A selection block's length
+    (model.nsa.sel_block) covers every offset. The loss ignores the tail under loss='answer'."""
 
 
 @dataclass

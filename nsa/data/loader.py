@@ -166,30 +166,36 @@ class RetrievalBatches:
     a uniformly random depth; batch i of rank r depends only on (seed, r, i)."""
 
     def __init__(self, tasks: RetrievalTasks, task: str, seq_len: int, batch_size: int, seed: int, rank: int = 0,
-                 answer_only: bool = False):
+                 answer_only: bool = False, tail: int = 0):
         self.tasks, self.task, self.seq_len, self.batch_size, self.seed, self.rank = (
             tasks, task, seq_len, batch_size, seed, rank)
-        self.answer_only = answer_only
+        self.answer_only, self.tail = answer_only, tail
         self.counter = 0
+        if tail < 0:
+            raise UserError(f"data.retrieval.tail must be >= 0, got {tail}")
         for name in TASKS if task == "mixed" else (task,):
             try:  # here, at setup, rather than on the prefetch thread
-                tasks.example(name, seq_len + 1, 0.5, example_rng(seed))
+                tasks.example(name, seq_len + 1 - tail, 0.5, example_rng(seed))
             except ValueError as e:
-                raise UserError(f"train.seq_len={seq_len} is too short for data.retrieval.task={task}: {e}") from None
+                what = f"train.seq_len={seq_len}" + (f" less data.retrieval.tail={tail}" if tail else "")
+                raise UserError(f"{what} is too short for data.retrieval.task={task}: {e}") from None
 
     def next_batch(self) -> Batch:
-        rows, starts = [], []
+        rows, starts, ends = [], [], []
         for row in range(self.batch_size):
             rng = example_rng(self.seed, self.rank, self.counter, row)
             task = TASKS[int(rng.integers(len(TASKS)))] if self.task == "mixed" else self.task
-            example = self.tasks.example(task, self.seq_len + 1, float(rng.random()), rng)
-            rows.append(example.tokens)
+            tail = int(rng.integers(self.tail + 1)) if self.tail else 0  # no draw at 0: the stream stays as it was
+            example = self.tasks.example(task, self.seq_len + 1 - tail, float(rng.random()), rng)
+            rows.append(np.concatenate([example.tokens, self.tasks.filler(tail, rng)]))
             starts.append(example.answer_start)
+            ends.append(example.answer_start + example.answer_len)
         self.counter += 1
         tokens = torch.from_numpy(np.stack(rows))
         x, y = tokens[:, :-1], tokens[:, 1:].clone()
-        if self.answer_only:  # target j is token j + 1: the answer's targets start at answer_start - 1
-            y[torch.arange(self.seq_len)[None, :] < torch.tensor(starts)[:, None] - 1] = -1
+        if self.answer_only:  # target j is token j + 1: the answer's targets are j in [start - 1, end - 1)
+            j = torch.arange(self.seq_len)[None, :]
+            y[(j < torch.tensor(starts)[:, None] - 1) | (j >= torch.tensor(ends)[:, None] - 1)] = -1
         return x, y
 
     def state_dict(self) -> dict:
@@ -295,10 +301,11 @@ def build_data(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: 
     if cfg.source == "retrieval":
         tasks = RetrievalTasks(tokenizer, cfg.retrieval.kv_pairs)
         answer_only = cfg.retrieval.loss == "answer"
-        stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed, rank, answer_only)
+        stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed, rank, answer_only,
+                                  cfg.retrieval.tail)
         # Validation examples come from another seed, so they never repeat a training example.
         val_stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed + 1_000_003, rank,
-                                      answer_only)
+                                      answer_only, cfg.retrieval.tail)
         val = [val_stream.next_batch() for _ in range(eval_batches)] if cfg.val_fraction > 0 else []
         return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, "retrieval"), val,
                     f"synthetic {cfg.retrieval.task} retrieval examples ({tokenizer.name} tokens; loss on "

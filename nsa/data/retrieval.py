@@ -147,6 +147,11 @@ class RetrievalTasks:
             distractors=len(distractors),
         )
 
+    def filler(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """n filler tokens, starting at a random sentence of the cycle (e.g. to follow an answer)."""
+        start = int(self._cycle_starts[rng.integers(len(self._cycle_starts))])
+        return np.tile(self._cycle, n // len(self._cycle) + 2)[start:start + n]
+
     def _filler(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
         """n filler tokens that end at a sentence boundary (a random one of the cycle) and start mid-cycle,
         and the sentence boundaries within them (0 and n included)."""
