@@ -6,10 +6,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/nsa-gpu-check}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
 tests="tests/test_triton_gpu.py tests/test_triton_decode.py"
 if [[ ${1:-} == --full-tests ]]; then

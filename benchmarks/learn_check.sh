@@ -71,14 +71,15 @@ if [[ $smoke == 1 ]]; then
   stages=128x4:2,256x2:2
   learn_steps=4 samples=1 lengths=256,512 depths=0,0.5,1 val_batches=1 eval_reserve=0
 fi
-total=0  # the retrieval run's steps over all stages: one LR schedule
+total=0 stage_seq=() stage_batch=() stage_end=()  # stage i runs at stage_seq[i] x stage_batch[i] up to step stage_end[i]
 IFS=, read -ra stage_list <<< "$stages"
 for stage in "${stage_list[@]}"; do
   if [[ ! $stage =~ ^([0-9]+)x([0-9]+):([0-9]+)$ ]]; then
     echo "learn_check.sh: --retrieval-stages takes SEQxBATCH:STEPS,... e.g. 1024x64:1000,16384x4:400 (got '$stage')" >&2
     exit 2
   fi
-  total=$((total + BASH_REMATCH[3]))
+  total=$((total + BASH_REMATCH[3]))  # the retrieval run's steps over all stages: one LR schedule
+  stage_seq+=("${BASH_REMATCH[1]}") stage_batch+=("${BASH_REMATCH[2]}") stage_end+=("$total")
 done
 data=()
 if [[ $smoke == 0 && -f data/kjv-byte/meta.json ]]; then
@@ -143,17 +144,15 @@ main() {
   local kinds=()
   [[ $retrieval == 1 ]] && kinds+=(nsa)
   [[ $retrieval == 1 && $retrieval_dense == 1 ]] && kinds+=(dense)
-  local stage end seq batch done_steps
+  local i done_steps
   for attention in "${kinds[@]}"; do
-    name=retrieval-$attention end=0
-    for stage in "${stage_list[@]}"; do  # each stage resumes the run and stops at its own end
-      [[ $stage =~ ^([0-9]+)x([0-9]+):([0-9]+)$ ]]
-      seq=${BASH_REMATCH[1]} batch=${BASH_REMATCH[2]} end=$((end + BASH_REMATCH[3]))
+    name=retrieval-$attention
+    for i in "${!stage_end[@]}"; do  # each stage resumes the run and stops at its own end
       done_steps=$(latest_step "$name")
-      ((done_steps >= end)) && continue
+      ((done_steps >= stage_end[i])) && continue
       train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
-        train.steps=$total "${retrieval_set[@]}" train.seq_len="$seq" train.batch_size="$batch" \
-        train.stop_after=$((end - done_steps))
+        train.steps=$total "${retrieval_set[@]}" train.seq_len="${stage_seq[i]}" train.batch_size="${stage_batch[i]}" \
+        train.stop_after=$((stage_end[i] - done_steps))
     done
     retrieval_runs+=("$work/$name")
   done

@@ -6,10 +6,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/nsa-session-check}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 timeout 240 python3 -m pytest -q -x tests/test_triton_gpu.py -k bf16_kernels 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
 timeout 150 python3 -m nsa bench attention --lengths "$1" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -16

@@ -135,6 +135,16 @@ def _lse2(m_i, l_i):
 
 
 @triton.jit
+def _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr):
+    """Merge program pid's NCH chunk partials into the compressed branch's output (stored to OCMP); its lse."""
+    rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
+    m_i, l_i, acc = _merge(PM, PL, PACC, pid * NCH, NCH, HP, BLOCK_DV, PT)
+    tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
+             acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
+    return _lse2(m_i, l_i)
+
+
+@triton.jit
 def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr):
     """Ranking keys [1, CT*K] of the selection blocks of chunks c0 .. c0+CT-1: the Eq. 9 scores rescaled to
     exp(s - lse) and summed over the heads, as score bits * 2^32 + (2^32 - 1 - j) (ties go to the lower
@@ -200,10 +210,7 @@ def _select_merge_kernel(
     g = pid % G
     t = tl.load(POS + b)
     j_t = t // sel_block
-    rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
-    m_i, l_i, acc = _merge(PM, PL, PACC, pid * NCH, NCH, HP, BLOCK_DV, PT)
-    tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
-             acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
+    _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP, BLOCK_DV, PT)
     # CT groups' lists of K keys make one [1, CT*K] tile; groups past t's hold only -1.
     kk = tl.arange(0, CT * K)
     best = tl.full([1, CT * K], -1, tl.int64)
@@ -225,12 +232,8 @@ def _select_kernel(
     g = pid % G
     t = tl.load(POS + b)
     j_t = t // sel_block
-    rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
     first = pid * NCH
-    m_i, l_i, acc = _merge(PM, PL, PACC, first, NCH, HP, BLOCK_DV, PT)
-    tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
-             acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
-    lse2 = _lse2(m_i, l_i)
+    lse2 = _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP, BLOCK_DV, PT)
     best = tl.full([1, CT * K], -1, tl.int64)
     for c0 in range(0, j_t // K + 1, CT):
         key = _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP, K, CT)
