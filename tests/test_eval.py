@@ -158,6 +158,21 @@ def test_retrieval_source_resumes_exactly_and_validation_differs():
     with pytest.raises(UserError, match="train.seq_len=100 less data.retrieval.tail=40 is too short"):
         RetrievalBatches(tasks, "passkey", 100, 1, seed=5, tail=40)
 
+    # data.retrieval.depth_ends: that share of needles sits first in the haystack or right before the question
+    # (a uniform depth puts it at either end of ~100 sentence gaps about 1 time in 50).
+    def needle_places(depth_ends):
+        x, _ = RetrievalBatches(tasks, "passkey", 2000, 64, seed=5, depth_ends=depth_ends).next_batch()
+        texts = [decode(row.tolist()) for row in x]
+        first = sum(t.startswith(" The pass key is") for t in texts)
+        last = sum(bool(re.search(r"Remember it\. What is the pass key\?", t)) for t in texts)
+        return first, last
+    assert sum(needle_places(0.0)) <= 3
+    first, last = needle_places(0.5)
+    assert 8 <= first <= 24 and 8 <= last <= 24
+    assert sum(needle_places(1.0)) == 64
+    with pytest.raises(UserError, match="depth_ends is a share"):
+        RetrievalBatches(tasks, "passkey", 200, 1, seed=5, depth_ends=1.5)
+
     cfg = load_config(None, ["data.source=retrieval", "data.retrieval.task=passkey", "train.seq_len=256"])
     data = build_data(cfg.data, ByteTokenizer(), 256, 2, 2, seed=9)
     train_x, _ = data.train.next_batch()
@@ -399,3 +414,9 @@ def test_learn_check_smoke_runs_end_to_end(tmp_path):
     learn = (tmp_path / "out" / "compare_learn.md").read_text()
     assert "learn-nsa-s1" in learn and "learn-dense-s1" in learn and "**Margin:**" in learn
     assert "retrieval-nsa" in (tmp_path / "out" / "compare_retrieval.md").read_text()
+    # Two stages of 2 steps at 128 and 256 tokens, then the extension (2 steps at 256) on a 6-step schedule.
+    rows = (tmp_path / "work" / "retrieval-nsa" / "metrics.csv").read_text().splitlines()
+    steps = [int(r.split(",")[0]) for r in rows[1:]]
+    assert steps[-1] == 6 and steps == sorted(set(steps))
+    config = (tmp_path / "work" / "retrieval-nsa" / "config.yaml").read_text()
+    assert "steps: 6" in config and "seq_len: 256" in config

@@ -163,16 +163,19 @@ class SyntheticBatches:
 
 class RetrievalBatches:
     """Retrieval examples (nsa/data/retrieval.py), one per sequence of seq_len + 1 tokens, each with its needle at
-    a uniformly random depth; batch i of rank r depends only on (seed, r, i)."""
+    a uniformly random depth (or, for a depth_ends share of them, at depth 0 or 1); batch i of rank r depends only
+    on (seed, r, i)."""
 
     def __init__(self, tasks: RetrievalTasks, task: str, seq_len: int, batch_size: int, seed: int, rank: int = 0,
-                 answer_only: bool = False, tail: int = 0):
+                 answer_only: bool = False, tail: int = 0, depth_ends: float = 0.0):
         self.tasks, self.task, self.seq_len, self.batch_size, self.seed, self.rank = (
             tasks, task, seq_len, batch_size, seed, rank)
-        self.answer_only, self.tail = answer_only, tail
+        self.answer_only, self.tail, self.depth_ends = answer_only, tail, depth_ends
         self.counter = 0
         if tail < 0:
             raise UserError(f"data.retrieval.tail must be >= 0, got {tail}")
+        if not 0.0 <= depth_ends <= 1.0:
+            raise UserError(f"data.retrieval.depth_ends is a share of the examples: set it in [0, 1], got {depth_ends}")
         for name in TASKS if task == "mixed" else (task,):
             try:  # here, at setup, rather than on the prefetch thread
                 tasks.example(name, seq_len + 1 - tail, 0.5, example_rng(seed))
@@ -186,7 +189,7 @@ class RetrievalBatches:
             rng = example_rng(self.seed, self.rank, self.counter, row)
             task = TASKS[int(rng.integers(len(TASKS)))] if self.task == "mixed" else self.task
             tail = int(rng.integers(self.tail + 1)) if self.tail else 0  # no draw at 0: the stream stays as it was
-            example = self.tasks.example(task, self.seq_len + 1 - tail, float(rng.random()), rng)
+            example = self.tasks.example(task, self.seq_len + 1 - tail, self._depth(rng), rng)
             rows.append(np.concatenate([example.tokens, self.tasks.filler(tail, rng)]))
             starts.append(example.answer_start)
             ends.append(example.answer_start + example.answer_len)
@@ -197,6 +200,12 @@ class RetrievalBatches:
             j = torch.arange(self.seq_len)[None, :]
             y[(j < torch.tensor(starts)[:, None] - 1) | (j >= torch.tensor(ends)[:, None] - 1)] = -1
         return x, y
+
+    def _depth(self, rng: np.random.Generator) -> float:
+        depth = float(rng.random())
+        if self.depth_ends and rng.random() < self.depth_ends:  # no draw at 0: the stream stays as it was
+            depth = float(depth < 0.5)
+        return depth
 
     def state_dict(self) -> dict:
         return {"counter": self.counter}
@@ -301,11 +310,10 @@ def build_data(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: 
     if cfg.source == "retrieval":
         tasks = RetrievalTasks(tokenizer, cfg.retrieval.kv_pairs)
         answer_only = cfg.retrieval.loss == "answer"
-        stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed, rank, answer_only,
-                                  cfg.retrieval.tail)
+        shape = dict(answer_only=answer_only, tail=cfg.retrieval.tail, depth_ends=cfg.retrieval.depth_ends)
+        stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed, rank, **shape)
         # Validation examples come from another seed, so they never repeat a training example.
-        val_stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed + 1_000_003, rank,
-                                      answer_only, cfg.retrieval.tail)
+        val_stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed + 1_000_003, rank, **shape)
         val = [val_stream.next_batch() for _ in range(eval_batches)] if cfg.val_fraction > 0 else []
         return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, "retrieval"), val,
                     f"synthetic {cfg.retrieval.task} retrieval examples ({tokenizer.name} tokens; loss on "
