@@ -27,14 +27,14 @@
 # Options: --learn-steps N (400)  --seeds N (1)  --no-retrieval (the learn runs only)  --no-learn (the retrieval runs only)
 #   --retrieval-stages SEQxBATCH:STEPS,... (256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300)
 #   --retrieval-extend N (300; 0: none)  --retrieval-kinds nsa,dense (nsa)  --retrieval-dense (= --retrieval-kinds nsa,dense)
-#   --eval-samples N (4)  --eval-lengths L,... (4096,...,65536)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (540)  --work DIR
+#   --eval-samples N (4)  --eval-lengths L,... (4096,...,65536)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (580)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
 #   tests/test_eval.py runs it)
 #   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
 learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300 seeds=1 kinds=nsa extend=300 samples=4
-retrieval=1 learn=1 learn_limit=150 lengths=4096,8192,16384,32768,65536 retrieval_limit=200 budget=540 work=runs/learn-check smoke=0
+retrieval=1 learn=1 learn_limit=150 lengths=4096,8192,16384,32768,65536 retrieval_limit=200 budget=580 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -62,7 +62,7 @@ mkdir -p "$OUT" "$work"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 
 depths=0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1 val_batches=8
-eval_reserve=90  # seconds kept for the evals and compares when a training run's limit is set
+eval_reserve=60  # seconds kept for the evals and compares when a training run's limit is set
 learn_set=() retrieval_set=()
 if [[ $smoke == 1 ]]; then
   # The same commands at toy sizes: every step of the real call runs, on the CPU, in about a minute.
