@@ -214,6 +214,10 @@ class RetrievalBatches:
         self.counter = int(state["counter"])
 
 
+CLOSE_TIMEOUT_S = 10.0
+"""How long Prefetcher.close waits for the batch being produced (a stream stuck on the network is left behind)."""
+
+
 class Prefetcher:
     """Produces batches of a stream on a background thread; `state_dict` is the position after the
     last batch handed out (not the last one prepared), so checkpoints stay exact."""
@@ -253,7 +257,7 @@ class Prefetcher:
         try:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:
-            self.close()
+            self.close(wait=False)  # the producer is stuck in the source: waiting for it would only delay this error
             raise UserError(
                 f"no training batch from data source '{self.source}' after {self.timeout:.0f}s "
                 "(data.first_batch_timeout_s); check the path or network, or prepare shards with `nsa prepare`"
@@ -274,8 +278,13 @@ class Prefetcher:
         self.stream.load_state_dict(state)
         self._state = self.stream.state_dict()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop the producer and (wait=True) let it finish the batch in hand: a daemon thread still inside torch
+        when the interpreter exits aborts the process ('terminate called without an active exception', exit
+        134) after a run that finished."""
         self._stop.set()
+        if wait and self._thread is not None:
+            self._thread.join(timeout=CLOSE_TIMEOUT_S)
 
 
 @dataclass
