@@ -74,15 +74,11 @@ def test_triton_decode_with_a_long_window_and_blocks_across_chunks(seed):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("parallel", [True, False], ids=["parallel-select", "one-program-select"])
 @pytest.mark.parametrize("capacity,positions", [(600, [3, 100, 300, 520, 599]), (2100, [700, 1500, 2099])],
                          ids=["3-groups", "9-groups"])
-def test_triton_decode_ranks_many_chunk_groups_like_the_pytorch_path(parallel, capacity, positions, monkeypatch):
+def test_triton_decode_ranks_many_chunk_groups_like_the_pytorch_path(capacity, positions):
     # Two-token selection blocks: 300 of them are 19 chunks of 16, i.e. 3 groups of 8 chunks for the parallel
     # ranking, and 1,050 are 66 chunks, 9 groups: more than the 8 lists the merge takes at once.
-    from nsa.ops.triton import tuning
-
-    monkeypatch.setattr(tuning.TUNING, "decode_parallel_select", parallel)
     model = model_for(6, 1, block_len=8, block_stride=2, sel_block=2, n_sel=8, window=100)
     layer, t = random_layer_cache(model, positions, seed=11, capacity=capacity)
     gen = torch.Generator().manual_seed(12)

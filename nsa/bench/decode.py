@@ -74,19 +74,6 @@ def _layer_attention_ms(model: Transformer, cache, batch: int, reps: int, cuda: 
     return _median_ms(_graphed(fn, cuda), reps, cuda)
 
 
-def _one_program_select_ms(model: Transformer, cache, batch: int, reps: int) -> float:
-    """The layer attention again with the decode kernel's block ranking in one program per sequence and group
-    (TUNING.decode_parallel_select off): the A/B of the parallel ranking, in the same run."""
-    from ..ops.triton import tuning
-
-    default = tuning.TUNING.decode_parallel_select
-    tuning.TUNING.decode_parallel_select = False
-    try:
-        return _layer_attention_ms(model, cache, batch, reps, True)
-    finally:
-        tuning.TUNING.decode_parallel_select = default
-
-
 @torch.no_grad()
 def measure(cfg, attention: str, context: int, batch: int, steps: int, device: torch.device,
             compile: bool = False) -> dict:
@@ -106,8 +93,6 @@ def measure(cfg, attention: str, context: int, batch: int, steps: int, device: t
     attn_ms = _layer_attention_ms(model, cache, batch, steps, cuda)
     row = {"attention": attention, "compiled": compile, "context": context, "batch": batch, "step_ms": step_ms,
            "tokens_per_s": batch / step_ms * 1e3, "layer_attention_ms": attn_ms, "reads_per_group": reads}
-    if attention == "nsa" and cuda:
-        row["attention_ms_one_program_select"] = _one_program_select_ms(model, cache, batch, steps)
     del model, cache
     if cuda:
         torch.cuda.empty_cache()
@@ -133,7 +118,7 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
                             "compiled": compile}
     print(f"{meta['device']}  torch {meta['torch']}")
     columns = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup",
-               "layer_attention_ms", "attention_speedup", "reads_per_group", "attention_ms_one_program_select"]
+               "layer_attention_ms", "attention_speedup", "reads_per_group"]
     print(format_table(rows, [c for c in columns if any(c in r for r in rows)]))
     paths = write_results(rows, out_dir, "decode_compiled" if compile else "decode", meta)
     print("wrote " + ", ".join(map(str, paths)))

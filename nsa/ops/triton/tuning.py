@@ -53,11 +53,5 @@ class Tuning:
     inverse_chunk: int = 256
     """(query, slot) entries per work item of the block-centric selected-branch kernels (4 under the interpreter)."""
 
-    decode_parallel_select: bool = True
-    """Decode: rank the selection blocks in parallel over groups of 8 chunks (1,024 blocks at 64k: 8 programs
-    per sequence and group), then merge the groups' top lists, instead of one program walking every chunk.
-    Same choices. Written 2026-11-23 without a GPU to time it: `nsa bench decode` with
-    tuning.decode_parallel_select=false times the single-program path."""
-
 
 TUNING = Tuning()
