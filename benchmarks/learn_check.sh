@@ -27,13 +27,14 @@
 # Options: --learn-steps N (400)  --seeds N (1)  --no-retrieval (the learn runs only)  --no-learn (the retrieval runs only)
 #   --retrieval-stages SEQxBATCH:STEPS,... (256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300)
 #   --retrieval-extend N (300; 0: none)  --retrieval-kinds nsa,dense (nsa)  --retrieval-dense (= --retrieval-kinds nsa,dense)
+#   --learn-kinds nsa,dense (nsa,dense; e.g. nsa alone to compare NSA variants given with --)
 #   --eval-samples N (4)  --eval-lengths L,... (4096,...,65536)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (580)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
 #   tests/test_eval.py runs it)
 #   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
-learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300 seeds=1 kinds=nsa extend=300 samples=4
+learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300 seeds=1 kinds=nsa learn_kinds=nsa,dense extend=300 samples=4
 retrieval=1 learn=1 learn_limit=150 lengths=4096,8192,16384,32768,65536 retrieval_limit=200 budget=580 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
@@ -43,6 +44,7 @@ while [[ $# -gt 0 ]]; do
     --seeds) seeds=$2; shift 2 ;;
     --retrieval-dense) kinds=nsa,dense; shift ;;
     --retrieval-kinds) kinds=$2; shift 2 ;;
+    --learn-kinds) learn_kinds=$2; shift 2 ;;
     --retrieval-extend) extend=$2; shift 2 ;;
     --no-retrieval) retrieval=0; shift ;;
     --no-learn) learn=0; shift ;;
@@ -135,10 +137,11 @@ eval_run() {  # NAME ARGS...
 failed=0
 main() {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU (nvidia-smi absent)"
-  local learn_runs=() retrieval_runs=() s seed name
+  local learn_runs=() retrieval_runs=() s seed name learn_attentions
+  IFS=, read -ra learn_attentions <<< "$learn_kinds"
   for ((s = 1; s <= seeds * learn; s++)); do
     seed=$((1336 + s))
-    for attention in nsa dense; do
+    for attention in "${learn_attentions[@]}"; do
       name=learn-$attention-s$s
       train_run "$name" "$(limit_for "$learn_limit")" configs/recipes/learn.yaml model.attention=$attention \
         train.seed=$seed train.steps="$learn_steps" "${data[@]}" "${learn_set[@]}"

@@ -29,8 +29,8 @@ def test_gradcheck_nsa_attention_every_input(B, T, H, G, l, d, lp, n, w):
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("phi,shared_kv", [("mlp", False), ("mean", True)])
-def test_gradcheck_nsa_layer_including_phi_and_gates(phi, shared_kv):
+@pytest.mark.parametrize("phi,shared_kv,gate_hidden", [("mlp", False, 6), ("mean", True, 0)])
+def test_gradcheck_nsa_layer_including_phi_and_gates(phi, shared_kv, gate_hidden):
     base = tiny()
     cfg = dataclasses.replace(
         base,
@@ -40,7 +40,7 @@ def test_gradcheck_nsa_layer_including_phi_and_gates(phi, shared_kv):
         head_dim=4,
         nsa=dataclasses.replace(
             base.nsa, block_len=4, block_stride=2, sel_block=4, n_sel=3, window=3, phi=phi, phi_hidden=5,
-            gate_hidden=6, shared_kv=shared_kv,
+            gate_hidden=gate_hidden, shared_kv=shared_kv,
         ),
     )
     torch.manual_seed(0)
@@ -57,3 +57,5 @@ def test_gradcheck_nsa_layer_including_phi_and_gates(phi, shared_kv):
     assert torch.autograd.gradcheck(fn, (x, *params.values()), eps=1e-6, atol=1e-6)
     if phi == "mlp":
         assert {"compress_k.fc2.weight", "compress_v.pos", "gate.fc1.weight"} <= set(names)
+    if gate_hidden == 0:  # the linear gate reads the layer input directly
+        assert "gate.fc1.weight" not in names and params["gate.fc2.weight"].shape == (4 * 3, cfg.dim)

@@ -15,16 +15,19 @@ BRANCHES = ("cmp", "sel", "win")
 
 
 class GateMLP(nn.Module):
-    """g[t, h, c] = sigmoid(MLP(x_t)): one gate per head and branch, in (cmp, sel, win) order."""
+    """g[t, h, c] = sigmoid(MLP(x_t)): one gate per head and branch, in (cmp, sel, win) order.
+
+    hidden=0 makes the MLP a single linear map (as in fla-core's NSA layer).
+    """
 
     def __init__(self, dim: int, hidden: int, n_heads: int):
         super().__init__()
         self.n_heads = n_heads
-        self.fc1 = nn.Linear(dim, hidden, bias=False)
-        self.fc2 = nn.Linear(hidden, n_heads * len(BRANCHES), bias=False)
+        self.fc1 = nn.Linear(dim, hidden, bias=False) if hidden else None
+        self.fc2 = nn.Linear(hidden or dim, n_heads * len(BRANCHES), bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.fc2(F.silu(self.fc1(x)))
+        logits = self.fc2(F.silu(self.fc1(x)) if self.fc1 is not None else x)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return torch.sigmoid(logits).view(*x.shape[:-1], self.n_heads, len(BRANCHES))
 

@@ -28,7 +28,7 @@ class NSAConfig:
     phi_hidden: int = 128
     """Hidden width of the compression MLP (phi='mlp')."""
     gate_hidden: int = 64
-    """Hidden width of the gate MLP that produces one sigmoid gate per head and branch."""
+    """Hidden width of the gate MLP that produces one sigmoid gate per head and branch; 0 makes it one linear layer."""
     shared_kv: bool = False
     """Share one key/value projection across the three branches (the paper uses separate ones)."""
     backend: Literal["auto", "reference", "triton"] = "auto"
@@ -86,9 +86,11 @@ class ModelConfig:
 
 
 def _validate_nsa(c: NSAConfig) -> None:
-    for key in ("block_len", "block_stride", "sel_block", "window", "phi_hidden", "gate_hidden"):
+    for key in ("block_len", "block_stride", "sel_block", "window", "phi_hidden"):
         if getattr(c, key) < 1:
             raise ConfigError(f"model.nsa.{key} must be >= 1, got {getattr(c, key)}")
+    if c.gate_hidden < 0:
+        raise ConfigError(f"model.nsa.gate_hidden must be >= 0 (0: a linear gate), got {c.gate_hidden}")
     if c.block_len % c.block_stride or c.sel_block % c.block_stride:
         raise ConfigError(
             f"model.nsa.block_stride ({c.block_stride}) must divide model.nsa.block_len ({c.block_len}) "
