@@ -260,7 +260,7 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
     assert code == 0
     out = runs / "nsa" / "eval"
     rows = list(csv.DictReader(open(out / "eval.csv")))
-    assert list(rows[0]) == ["task", "length", "depth", "samples", "accuracy"]
+    assert list(rows[0]) == ["task", "length", "depth", "samples", "accuracy", "needle_selected"]
     # kv does not fit in 90 tokens: that length is skipped for kv only.
     cells = {(r["task"], int(r["length"]), float(r["depth"])) for r in rows}
     assert cells == {("passkey", n, d) for n in (90, 128, 256) for d in (0, 0.5, 1)} | {
@@ -275,8 +275,23 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
     assert set(info["retrieval"]["mean_accuracy"]) == {"passkey", "kv"}
     for task in ("passkey", "kv"):
         assert_png(out / f"retrieval_{task}.png")
+    # A passkey needle at depth 0 lies in the forced block 0, at depth 1 in the query's forced previous block.
+    passkey_ends = [float(r["needle_selected"]) for r in rows if r["task"] == "passkey" and r["depth"] in ("0", "1")]
+    assert passkey_ends == [1.0] * 6
+    assert all(0.0 <= float(r["needle_selected"]) <= 1.0 for r in rows)
+    by_layer = info["retrieval"]["needle_selected_by_layer"]["passkey"]["256"]
+    assert len(by_layer) == 2 and all(0.0 <= v <= 1.0 for v in by_layer)
     printed = capsys.readouterr().out
     assert "validation: loss" in printed and "passkey: exact-match accuracy" in printed and "mean" in printed
+    assert "passkey: needle block selected" in printed
+
+
+def test_eval_of_a_dense_model_leaves_needle_selection_blank(runs, tmp_path):
+    assert main(["eval", str(runs / "dense"), "--lengths", "128", "--depths", "0,1", "--samples", "1", "--tasks",
+                 "passkey", "--val-batches", "0", "--no-progress", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "eval.csv")))
+    assert [r["needle_selected"] for r in rows] == ["", ""]
+    assert json.loads((tmp_path / "eval.json").read_text())["retrieval"]["needle_selected"] == {}
 
 
 def test_eval_builds_each_length_in_the_trainers_layout(runs, monkeypatch, tmp_path):

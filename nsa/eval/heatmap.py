@@ -56,8 +56,8 @@ def _short(reason: str) -> str:
     return reason if len(reason) <= 14 else reason[:13] + "…"
 
 
-def plot_grids(grids: Sequence[Grid], path: Path, title: str = "") -> Path:
-    """The grids side by side with one colour bar (accuracy 0..1)."""
+def plot_grids(grids: Sequence[Grid], path: Path, title: str = "", label: str = "exact-match accuracy") -> Path:
+    """The grids side by side with one colour bar (0..1, named `label`)."""
     n = len(grids)
     width = max(len(g.lengths) for g in grids)
     height = max(len(g.depths) for g in grids)
@@ -66,7 +66,7 @@ def plot_grids(grids: Sequence[Grid], path: Path, title: str = "") -> Path:
     image = None
     for ax, grid in zip(axes, grids):
         image = draw(ax, grid)
-    fig.colorbar(image, ax=list(axes), label="exact-match accuracy", shrink=0.9)
+    fig.colorbar(image, ax=list(axes), label=label, shrink=0.9)
     if title:
         fig.suptitle(title)
     return save_png(fig, path)

@@ -20,8 +20,9 @@ from ..data.retrieval import TASKS, RetrievalTasks, example_rng
 from ..errors import UserError
 from .heatmap import Grid, length_label, plot_grids
 from .scoring import ValidationLoss, exact_match, validation_loss
+from .selection import needle_selected, nsa_layers, record_selection
 
-CSV_FIELDS = ["task", "length", "depth", "samples", "accuracy"]
+CSV_FIELDS = ["task", "length", "depth", "samples", "accuracy", "needle_selected"]
 
 
 @dataclass
@@ -151,12 +152,19 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
 
     tasks = RetrievalTasks(loaded.tokenizer, cfg.data.retrieval.kv_pairs)
     rows, skipped = _retrieval_grid(model, tasks, opts, device)
-    grids = _grids(rows, skipped, opts, f"{name} ({cfg.model.attention}, step {step})")
-    images = _write(out, rows, skipped, grids, _summary(path, cfg, model, device, step, name, validation, opts,
-                                                        rows, skipped))
+    title = f"{name} ({cfg.model.attention}, step {step})"
+    grids = _grids(rows, skipped, opts, title)
+    selection = _grids(rows, skipped, opts, f"needle block selected, {title}", key="needle_selected")
+    panels = {task: [grid] + ([selection[task]] if task in selection else []) for task, grid in grids.items()}
+    images = _write(out, rows, skipped, panels, _summary(path, cfg, model, device, step, name, validation, opts,
+                                                         rows, skipped))
     for task, grid in grids.items():
         print(f"\n{task}: exact-match accuracy (rows: needle depth, columns: context length)")
         print(_table(grid))
+        if task in selection:
+            print(f"\n{task}: needle block selected at the first answer query "
+                  "(share of layers x kv groups; forced blocks count)")
+            print(_table(selection[task]))
     print(f"\nwrote {out / 'eval.csv'}, {out / 'eval.json'}" + "".join(f", {p.name}" for p in images))
     return EvalResult(out, validation, rows, skipped, images)
 
@@ -206,16 +214,19 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
                 skipped.append({"task": task, "length": length, "reason": f"too short ({e})"})
                 bar.update(cell)
                 continue
-            hits, failure = _score(model, examples, opts.batch_tokens // length, device, bar.update)
+            hits, selected, failure = _score(model, examples, opts.batch_tokens // length, device, bar.update)
             if failure is not None:
                 skipped.append({"task": task, "length": length, "reason": failure})
                 bar.write(f"{task} at {length:,} tokens: skipped: {failure}")
                 bar.update(cell - len(hits))
                 continue
             for d, depth in enumerate(opts.depths):
-                cell_hits = hits[d * opts.samples:(d + 1) * opts.samples]
+                cell = slice(d * opts.samples, (d + 1) * opts.samples)
+                cell_hits, by_layer = hits[cell], np.array(selected[cell], dtype=float)  # [samples, layers]
                 rows.append({"task": task, "length": length, "depth": depth, "samples": len(cell_hits),
-                             "accuracy": sum(cell_hits) / len(cell_hits)})
+                             "accuracy": sum(cell_hits) / len(cell_hits),
+                             "needle_selected": float(by_layer.mean()) if by_layer.size else None,
+                             "needle_selected_by_layer": by_layer.mean(0).tolist() if by_layer.size else None})
     bar.close()
     order = {t: i for i, t in enumerate(opts.tasks)}
     rows.sort(key=lambda r: (order[r["task"]], r["length"], r["depth"]))
@@ -223,18 +234,29 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
 
 
 def _score(model, examples, batch: int, device: torch.device, progress: Callable[[int], object]
-           ) -> tuple[list[bool], str | None]:
-    """Exact match of every example, in batches; and None, or a one-line reason when memory ran out."""
+           ) -> tuple[list[bool], list[list[float]], str | None]:
+    """Exact match of every example, in batches; for an NSA model, per example and layer, the share of kv
+    groups whose selection at the first answer query holds the needle (empty lists for a dense model); and
+    None, or a one-line reason when memory ran out."""
     batch = max(1, batch)
     hits: list[bool] = []
+    selected: list[list[float]] = []
     failure = None
+    sel_block = nsa_layers(model)[0].cfg.nsa.sel_block if nsa_layers(model) else 0
     try:
         for i in range(0, len(examples), batch):
             chunk = examples[i:i + batch]
             tokens = torch.from_numpy(np.stack([e.tokens for e in chunk])).to(device)
             start = torch.tensor([e.answer_start for e in chunk], device=device)
             length = torch.tensor([e.answer_len for e in chunk], device=device)
-            hits += exact_match(model, tokens, start, length).tolist()
+            with record_selection(model, start - 1) as records:
+                hits += exact_match(model, tokens, start, length).tolist()
+            if records:
+                needle = torch.tensor([[e.needle_start, e.needle_len] for e in chunk], device=device)
+                found = needle_selected(records, needle[:, 0], needle[:, 1], sel_block)  # [B,L,G]
+                selected += found.float().mean(-1).tolist()
+            else:
+                selected += [[] for _ in chunk]
             progress(len(chunk))
     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
@@ -243,7 +265,7 @@ def _score(model, examples, batch: int, device: torch.device, progress: Callable
     if failure is not None and device.type == "cuda":
         # Only now, with the exception and its frames gone, are the failed batch's tensors free.
         torch.cuda.empty_cache()
-    return hits, failure
+    return hits, selected, failure
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -251,13 +273,17 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
-def _grids(rows: list[dict], skipped: list[dict], opts: EvalOptions, title: str) -> dict[str, Grid]:
+def _grids(rows: list[dict], skipped: list[dict], opts: EvalOptions, title: str,
+           key: str = "accuracy") -> dict[str, Grid]:
+    """One grid per task of rows' `key`; tasks without a value of it (a dense model's needle_selected) get none."""
     grids = {}
     for task in opts.tasks:
         acc = np.full((len(opts.depths), len(opts.lengths)), math.nan)
         for r in rows:
-            if r["task"] == task:
-                acc[opts.depths.index(r["depth"]), opts.lengths.index(r["length"])] = r["accuracy"]
+            if r["task"] == task and r.get(key) is not None:
+                acc[opts.depths.index(r["depth"]), opts.lengths.index(r["length"])] = r[key]
+        if key != "accuracy" and not np.isfinite(acc).any():
+            continue
         reasons = {s["length"]: s["reason"].split(" (")[0] for s in skipped if s["task"] == task}
         grids[task] = Grid(f"{task}: {title}", list(opts.lengths), list(opts.depths), acc, reasons)
     return grids
@@ -274,12 +300,16 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
              validation: ValidationLoss | None, opts: EvalOptions, rows: list[dict], skipped: list[dict]) -> dict:
     from ..telemetry.environment import git_revision, versions
 
-    mean = {}
+    mean, selected, by_layer = {}, {}, {}
     for task in opts.tasks:
         for length in opts.lengths:
-            accs = [r["accuracy"] for r in rows if r["task"] == task and r["length"] == length]
-            if accs:
-                mean.setdefault(task, {})[str(length)] = sum(accs) / len(accs)
+            cell = [r for r in rows if r["task"] == task and r["length"] == length]
+            if cell:
+                mean.setdefault(task, {})[str(length)] = sum(r["accuracy"] for r in cell) / len(cell)
+            layers = [r["needle_selected_by_layer"] for r in cell if r.get("needle_selected_by_layer") is not None]
+            if layers:
+                by_layer.setdefault(task, {})[str(length)] = np.mean(layers, axis=0).tolist()
+                selected.setdefault(task, {})[str(length)] = float(np.mean(layers))
     return {
         "run": name,
         "checkpoint": str(path),
@@ -301,20 +331,26 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
             "tasks": list(opts.tasks), "lengths": list(opts.lengths), "depths": list(opts.depths),
             "samples": opts.samples, "seed": opts.seed, "kv_pairs": cfg.data.retrieval.kv_pairs,
             "mean_accuracy": mean, "skipped": skipped,
+            # NSA only: share of (layer, kv group) whose selection at the first answer query held the needle
+            "needle_selected": selected, "needle_selected_by_layer": by_layer,
         },
     }
 
 
-def _write(out: Path, rows: list[dict], skipped: list[dict], grids: dict[str, Grid], summary: dict) -> list[Path]:
+def _write(out: Path, rows: list[dict], skipped: list[dict], grids: dict[str, list[Grid]], summary: dict
+           ) -> list[Path]:
     with open(out / "eval.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({**r, "depth": f"{r['depth']:g}", "accuracy": f"{r['accuracy']:.4f}"})
+            sel = r.get("needle_selected")
+            writer.writerow({**r, "depth": f"{r['depth']:g}", "accuracy": f"{r['accuracy']:.4f}",
+                             "needle_selected": "" if sel is None else f"{sel:.4f}"})
     (out / "eval.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
     images = []
-    for task, grid in grids.items():
-        images.append(plot_grids([grid], out / f"retrieval_{task}.png"))
+    for task, task_grids in grids.items():
+        label = "exact match / share selected" if len(task_grids) > 1 else "exact-match accuracy"
+        images.append(plot_grids(task_grids, out / f"retrieval_{task}.png", label=label))
     for old in out.glob("retrieval_*.png"):  # never leave a heatmap of a task this run did not measure
         if old not in images:
             old.unlink()

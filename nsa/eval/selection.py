@@ -1,0 +1,67 @@
+"""Does NSA's selection bring the needle in? For a retrieval example, the blocks that each layer's kv
+groups select at the query predicting the answer's first token, checked against the blocks that hold
+the needle.
+
+A retrieval miss then reads as one of two failures: the selection never chose the needle's block (the
+compressed branch's scores did not rank it in the top n), or it chose it and the model still did not
+copy the answer. Forced blocks count as selected (block 0, and the query's own block and the one before
+it), so needles at depth 0 or right before the question are always selected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+from torch import nn
+
+from ..model.attention import NSAAttention
+from ..ops import select_blocks
+
+
+def nsa_layers(model: nn.Module) -> list[NSAAttention]:
+    """The model's NSA attention modules, in layer order (empty for a dense model)."""
+    return [layer.attn for layer in getattr(model, "layers", []) if isinstance(layer.attn, NSAAttention)]
+
+
+@contextlib.contextmanager
+def record_selection(model: nn.Module, query_pos: torch.Tensor) -> Iterator[list[torch.Tensor]]:
+    """While active, each NSA layer's forward appends its selected blocks [B,G,n] at positions query_pos [B].
+
+    The selection is recomputed from the layer's own inputs with `nsa.ops.select_blocks`, the op the
+    layer's attention uses, so it is exactly what the forward attended to. Costs one more projection and
+    selection per layer.
+    """
+    records: list[torch.Tensor] = []
+    hooks = [attn.register_forward_hook(partial(_record, records=records, query_pos=query_pos))
+             for attn in nsa_layers(model)]
+    try:
+        yield records
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _record(attn: NSAAttention, inputs: tuple, output: torch.Tensor, *, records: list, query_pos: torch.Tensor):
+    x, cos, sin = inputs
+    nsa = attn.cfg.nsa
+    p = attn.project(x, cos, sin)
+    idx = select_blocks(p["q"], attn.compress_k(p["k_cmp"]), block_len=nsa.block_len,
+                        block_stride=nsa.block_stride, sel_block=nsa.sel_block, n_sel=nsa.n_sel,
+                        backend=nsa.backend)  # [B,T,G,n]
+    records.append(idx[torch.arange(idx.shape[0], device=idx.device), query_pos])
+
+
+def needle_selected(selected: list[torch.Tensor], needle_start: torch.Tensor, needle_len: torch.Tensor,
+                    sel_block: int) -> torch.Tensor:
+    """bool [B,L,G]: layer L's kv group G selected a block overlapping the needle of each row.
+
+    selected: one [B,G,n] per layer (record_selection's records; -1 marks unused slots); the needle of row
+    b covers tokens [needle_start[b], needle_start[b] + needle_len[b]).
+    """
+    first = (needle_start // sel_block).view(-1, 1, 1, 1)
+    last = ((needle_start + needle_len - 1) // sel_block).view(-1, 1, 1, 1)
+    blocks = torch.stack(selected, 1)  # [B,L,G,n]
+    return ((blocks >= first) & (blocks <= last)).any(-1)
