@@ -28,13 +28,16 @@
 #   --retrieval-stages SEQxBATCH:STEPS,... (256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300)
 #   --retrieval-extend N (300; 0: none)  --retrieval-kinds nsa,dense (nsa)  --retrieval-dense (= --retrieval-kinds nsa,dense)
 #   --learn-kinds nsa,dense (nsa,dense; e.g. nsa alone to compare NSA variants given with --)
+#   --retrieval-until STEP (train the retrieval runs only up to STEP, on the full schedule, and skip their eval:
+#   copies of the run folder then continue as branches, e.g. several tries of the 16k -> 32k step from one
+#   checkpoint, each resumed by running the script again with --work pointing at the copy)
 #   --eval-samples N (4)  --eval-lengths L,... (4096,...,65536)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (580)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
 #   tests/test_eval.py runs it)
 #   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
-learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300 seeds=1 kinds=nsa learn_kinds=nsa,dense extend=300 samples=4
+learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300 seeds=1 kinds=nsa learn_kinds=nsa,dense extend=300 samples=4 until=0
 retrieval=1 learn=1 learn_limit=150 lengths=4096,8192,16384,32768,65536 retrieval_limit=200 budget=580 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
@@ -46,6 +49,7 @@ while [[ $# -gt 0 ]]; do
     --retrieval-kinds) kinds=$2; shift 2 ;;
     --learn-kinds) learn_kinds=$2; shift 2 ;;
     --retrieval-extend) extend=$2; shift 2 ;;
+    --retrieval-until) until=$2; shift 2 ;;
     --no-retrieval) retrieval=0; shift ;;
     --no-learn) learn=0; shift ;;
     --eval-samples) samples=$2; shift 2 ;;
@@ -150,16 +154,19 @@ main() {
   done
   local attentions=()
   [[ $retrieval == 1 ]] && IFS=, read -ra attentions <<< "$kinds"
-  local i done_steps last
+  local i done_steps last end
   for attention in "${attentions[@]}"; do
     name=retrieval-$attention
     for i in "${!stage_end[@]}"; do  # each stage resumes the run and stops at its own end
       done_steps=$(latest_step "$name")
-      ((done_steps >= stage_end[i])) && continue
+      end=${stage_end[i]}
+      ((until > 0 && end > until)) && end=$until
+      ((done_steps >= end)) && continue
       train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
         train.steps=$total "${retrieval_set[@]}" train.seq_len="${stage_seq[i]}" train.batch_size="${stage_batch[i]}" \
-        train.stop_after=$((stage_end[i] - done_steps))
+        train.stop_after=$((end - done_steps))
     done
+    ((until > 0)) && continue  # a trunk for branches: no extension, no eval
     # --retrieval-extend: more steps at the last stage's shape on a schedule stretched to the new total, as a
     # user would continue a finished run (train.steps=N on resume).
     done_steps=$(latest_step "$name") last=$((${#stage_end[@]} - 1))
