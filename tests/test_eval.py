@@ -435,3 +435,22 @@ def test_learn_check_smoke_runs_end_to_end(tmp_path):
     assert steps[-1] == 6 and steps == sorted(set(steps))
     config = (tmp_path / "work" / "retrieval-nsa" / "config.yaml").read_text()
     assert "steps: 6" in config and "seq_len: 256" in config
+
+
+def test_learn_check_retrieval_trunk_then_branch(tmp_path):
+    """--retrieval-until trains the trunk to a step on the full schedule and stops; a copy then resumes to the end."""
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+
+    def check(*args):
+        out = subprocess.run(["bash", "benchmarks/learn_check.sh", "--smoke", "--no-learn", *args], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    trunk, branch = tmp_path / "trunk" / "retrieval-nsa", tmp_path / "branch" / "retrieval-nsa"
+    check("--retrieval-until", "2", "--work", str(trunk.parent))
+    assert sorted(p.name for p in (trunk / "checkpoints").iterdir()) == ["step_00000002"]
+    assert not (trunk / "eval").exists() and "steps: 4" in (trunk / "config.yaml").read_text()  # the whole schedule
+    shutil.copytree(trunk, branch)
+    check("--work", str(branch.parent))
+    steps = [int(r.split(",")[0]) for r in (branch / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps[0] <= 2 and steps[-1] == 6 and (branch / "eval" / "eval.csv").is_file()
