@@ -152,7 +152,7 @@ def _cmd_bench_decode(ns: argparse.Namespace) -> int:
 
     path, overrides = _bench_config(ns.args)
     decode.run(path, overrides, contexts=ns.contexts, batches=ns.batches, attentions=ns.attention.split(","),
-               steps=ns.steps, out_dir=ns.out, device=ns.device, compile=ns.compile)
+               steps=ns.steps, out_dir=ns.out, device=ns.device, compile=ns.compile, profile=ns.profile)
     return 0
 
 
@@ -320,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (no CUDA graphs; for a functional check)")
     p.add_argument("--compile", action="store_true", help="torch.compile each model's decode step (fuses small kernels)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")
+    p.add_argument("--profile", action="store_true",
+                   help="also write each step's kernels by time to OUT/profile_decode_<attention>_<context>_b<batch>.txt "
+                        "and count the kernels a step launches (kernels_per_step)")
     p.set_defaults(func=_cmd_bench_decode)
     return parser
 

@@ -339,8 +339,11 @@ def test_bench_decode_runs_on_cpu_and_reports_the_reads(tmp_path, capsys):
     import csv
 
     args = ["bench", "decode", "model.n_layers=1", "model.dim=64", "model.mlp_hidden=64", "model.vocab_size=97",
-            "--contexts", "300", "--batches", "2", "--steps", "2", "--device", "cpu", "--out", str(tmp_path)]
+            "--contexts", "300", "--batches", "2", "--steps", "2", "--device", "cpu", "--out", str(tmp_path), "--profile"]
     assert main(args) == 0
+    for attention in ("nsa", "dense"):  # --profile: the step's ops by time (CPU time here), after the timed steps
+        table = (tmp_path / f"profile_decode_{attention}_300_b2.txt").read_text()
+        assert table.startswith("0 GPU kernels per call (mean over 5)") and "aten::mm" in table
     rows = {r["attention"]: r for r in csv.DictReader(open(tmp_path / "decode.csv"))}
     assert float(rows["dense"]["speedup"]) == 1.0 and float(rows["nsa"]["step_ms"]) > 0
     # After prefill (300 tokens) and 2 warm-free timed steps, the last step sat at t = 301 (M7C's NSA

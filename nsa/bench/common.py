@@ -35,6 +35,27 @@ def time_cuda(fn, *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50, bud
     return statistics.median(times)
 
 
+def profile_to_file(fn, path: Path, *, repeats: int = 1, rows: int = 40) -> int:
+    """fn() `repeats` times under the PyTorch profiler; writes its ops by self device time (CPU time without a
+    GPU) as a text table with the kernels launched per call first, and returns that count (0 on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if cuda and e.device_type == torch.autograd.DeviceType.CUDA) // repeats
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{kernels} GPU kernels per call (mean over {repeats})\n"
+                    + events.table(sort_by=sort, row_limit=rows, max_name_column_width=70))
+    return kernels
+
+
 def environment() -> dict:
     v = versions()
     return {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -22,7 +23,11 @@ from ..inference.attention import decode_attention, dense_decode_attention
 from ..inference.cache import new_cache
 from ..inference.decode import compiled_decode_step, decode_step, prefill
 from ..model import Transformer
-from .common import environment, format_table, write_results
+from .common import environment, format_table, profile_to_file, write_results
+
+
+PROFILE_STEPS = 5
+"""Decode steps run under the profiler with --profile (the kernel count is their mean)."""
 
 
 def _graphed(fn: Callable[[], object], use_graph: bool) -> Callable[[], object]:
@@ -76,13 +81,14 @@ def _layer_attention_ms(model: Transformer, cache, batch: int, reps: int, cuda: 
 
 @torch.no_grad()
 def measure(cfg, attention: str, context: int, batch: int, steps: int, device: torch.device,
-            compile: bool = False) -> dict:
+            compile: bool = False, profile_dir: str | None = None) -> dict:
     model_cfg = dataclasses.replace(cfg.model, attention=attention)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch._dynamo.reset()  # a fresh compile per model, not guard failures piling up against the cache limit
     torch.manual_seed(0)
     model = Transformer(model_cfg).to(device=device, dtype=dtype).eval()
-    cache = new_cache(model, batch, context + steps + 4)
+    # Room for the timed steps, the graph's warm-up and capture, and the profiled steps.
+    cache = new_cache(model, batch, context + steps + 4 + PROFILE_STEPS)
     prompt = torch.randint(0, model_cfg.vocab_size, (batch, context), device=device)
     prefill(model, prompt, cache)
     token = torch.zeros(batch, dtype=torch.long, device=device)
@@ -93,6 +99,11 @@ def measure(cfg, attention: str, context: int, batch: int, steps: int, device: t
     attn_ms = _layer_attention_ms(model, cache, batch, steps, cuda)
     row = {"attention": attention, "compiled": compile, "context": context, "batch": batch, "step_ms": step_ms,
            "tokens_per_s": batch / step_ms * 1e3, "layer_attention_ms": attn_ms, "reads_per_group": reads}
+    if profile_dir:
+        # Outside a CUDA graph, so the profiler sees each kernel of the step (a replay is one opaque launch).
+        name = f"profile_decode_{attention}{'_compiled' if compile else ''}_{context}_b{batch}.txt"
+        row["kernels_per_step"] = profile_to_file(lambda: step(token, cache), Path(profile_dir) / name,
+                                                  repeats=PROFILE_STEPS)
     del model, cache
     if cuda:
         torch.cuda.empty_cache()
@@ -100,14 +111,15 @@ def measure(cfg, attention: str, context: int, batch: int, steps: int, device: t
 
 
 def run(config: str | None, overrides: list[str], contexts: list[int], batches: list[int], attentions: list[str],
-        steps: int, out_dir: str, device: str = "cuda", compile: bool = False) -> list[dict]:
+        steps: int, out_dir: str, device: str = "cuda", compile: bool = False, profile: bool = False) -> list[dict]:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("nsa bench decode needs a CUDA GPU (or --device cpu for a slow functional run)")
     cfg = load_config(config, overrides)
     if cfg.model.vocab_size < 1:
         raise UserError("set model.vocab_size (e.g. 50304) for the benchmark's random-weight model")
-    rows = [measure(cfg, a, T, b, steps, dev, compile) for b in batches for T in contexts for a in attentions]
+    rows = [measure(cfg, a, T, b, steps, dev, compile, out_dir if profile else None)
+            for b in batches for T in contexts for a in attentions]
     for row in rows:
         dense = next((r for r in rows if r["attention"] == "dense" and r["context"] == row["context"]
                       and r["batch"] == row["batch"]), None)
@@ -118,7 +130,7 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
                             "compiled": compile}
     print(f"{meta['device']}  torch {meta['torch']}")
     columns = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup",
-               "layer_attention_ms", "attention_speedup", "reads_per_group"]
+               "layer_attention_ms", "attention_speedup", "reads_per_group", "kernels_per_step"]
     print(format_table(rows, [c for c in columns if any(c in r for r in rows)]))
     paths = write_results(rows, out_dir, "decode_compiled" if compile else "decode", meta)
     print("wrote " + ", ".join(map(str, paths)))

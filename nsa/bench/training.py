@@ -18,7 +18,7 @@ from ..config import load_config
 from ..errors import UserError
 from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
 from ..train.loop import Trainer
-from .common import environment, format_table, write_results
+from .common import environment, format_table, profile_to_file, write_results
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 datasheet peaks used for MFU (override with --peak-tflops)."""
@@ -62,18 +62,6 @@ def _health_probe_ms(trainer: Trainer, reps: int = 5) -> float | None:
     return statistics.median(times) * 1e3
 
 
-def _profile_step(trainer: Trainer, path: Path, rows: int = 40) -> None:
-    """One training step under the PyTorch profiler: the GPU kernels by total time, as a text table."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        trainer.train_step()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table)
-
-
 def measure(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int, steps: int,
             warmup: int, info: DistInfo, profile_dir: str | None = None) -> dict:
     batch = max(1, batch_tokens // seq_len)
@@ -99,7 +87,8 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
         times.append(time.perf_counter() - start)
     health_ms = _health_probe_ms(trainer)
     if profile_dir and info.is_main:
-        _profile_step(trainer, Path(profile_dir) / f"profile_{attention}_{seq_len}.txt")
+        # One training step's GPU kernels by total time.
+        profile_to_file(trainer.train_step, Path(profile_dir) / f"profile_{attention}_{seq_len}.txt")
     trainer.data.train.close()
     step_s = all_reduce_mean(torch.tensor(statistics.median(times), device=info.device), info).item()
     peak_gb = torch.cuda.max_memory_allocated() / 2**30
