@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nsa.cli import main
 from nsa.config import load_config
@@ -26,7 +27,7 @@ VOCAB = 61
 def tiny_model(attention="nsa", seed=0, **nsa_changes) -> Transformer:
     cfg = ModelConfig(
         attention=attention, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=64,
-        nsa=NSAConfig(**{**HYPER, **nsa_changes}, phi_hidden=16, gate_hidden=16, backend="reference"),
+        nsa=NSAConfig(**{"phi_hidden": 16, "gate_hidden": 16, **HYPER, **nsa_changes}, backend="reference"),
     )
     torch.manual_seed(seed)
     model = Transformer(cfg).double().eval()
@@ -77,6 +78,7 @@ def full_forward_layers(model, tokens):
         ("nsa", 13, {}),
         ("nsa", 37, {"shared_kv": True}),
         ("nsa", 13, {"phi": "mean"}),
+        ("nsa", 13, {"gate_hidden": 0}),
         ("dense", 1, {}),
         ("dense", 29, {}),
     ],
@@ -89,6 +91,35 @@ def test_prefill_then_decode_equals_the_full_forward_at_every_position(attention
         want = model(tokens)[:, prompt_len - 1:]
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.mm, self.bmm_shapes = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.mm += 1
+        elif func is torch.ops.aten.bmm.default:
+            self.bmm_shapes.append(tuple(args[1].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attention,gate_hidden,mm_per_layer", [("nsa", 16, 5), ("nsa", 0, 4), ("dense", 16, 4)])
+def test_a_decode_step_fuses_the_input_maps_and_phi_into_few_matmuls(attention, gate_hidden, mm_per_layer):
+    """At decode batch sizes the count of matmuls sets the time: one for the layer input's maps (queries,
+    keys/values, the gate's first layer), then the gate's second layer (MLP gate), wo and the MLP's two;
+    phi's MLP is two batched matmuls over keys and values together. One more for the output head."""
+    model = tiny_model(attention, gate_hidden=gate_hidden)
+    tokens = tokens_for(2, 40)
+    cache = new_cache(model, 2, 41)
+    prefill(model, tokens, cache)
+    with _CountMatmuls() as count:
+        decode_step(model, tokens[:, -1], cache)
+    assert count.mm == mm_per_layer * 2 + 1
+    phi = [s for s in count.bmm_shapes if s in ((2, 8 * 8, 16), (2, 16, 8))]  # [2, l*D, hidden], [2, hidden, D]
+    assert phi == ([(2, 64, 16), (2, 16, 8)] * 2 if attention == "nsa" else [])
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])

@@ -11,8 +11,9 @@ An NSA layer keeps each branch's own state (DESIGN.md section 1, Decode):
 - `sel_index`, `sel_weight` [Nc_max,K]: the Eq. 9 overlaps as a band (compressed token i touches
   at most K selection blocks), so selection scores cost O(Nc) per query instead of O(Nc*Ns).
 - `selected` [B,G,n] and `reads` [B,G]: what the last decode step chose and read (telemetry, tests).
+- `fused`: the layer's weights stacked for fewer matmuls per step (nsa.inference.fused), a snapshot.
 
-A dense layer keeps one plain `k`, `v` [B,L,G,D]. Positions beyond a sequence's length may hold
+A dense layer keeps one plain `k`, `v` [B,L,G,D] and its own `fused` input weights. Positions beyond a sequence's length may hold
 stale values (e.g. right-padding from a ragged prefill); every reader masks by position.
 """
 
@@ -24,8 +25,8 @@ import torch
 from torch import nn
 
 from ..model.attention import BRANCHES, NSAAttention
-from ..model.compression import BlockCompressor
 from ..ops.geometry import num_compressed_blocks, num_selection_blocks
+from .fused import FusedWeights, compress_pair, fuse
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -45,6 +46,7 @@ class NSALayerCache:
     reads: torch.Tensor
     block_len: int
     block_stride: int
+    fused: FusedWeights
 
     def keys(self, branch: str) -> torch.Tensor:
         """Raw keys [B,L,G,Dk] the branch reads."""
@@ -74,7 +76,7 @@ class NSALayerCache:
         for cache, name in ((self.k, "k"), (self.v, "v")):
             cache.index_put_(where, torch.stack([p[f"{name}_{BRANCHES[s]}"][:, 0] for s in range(cache.shape[0])]))
 
-    def emit(self, compress_k: BlockCompressor, compress_v: BlockCompressor, positions: torch.Tensor) -> None:
+    def emit(self, positions: torch.Tensor) -> None:
         """Append the compressed token of the block ending at t where one is due: t+1 >= l, (t+1-l) % d == 0.
 
         phi runs on every sequence every step and the result is kept only where due: no branch
@@ -87,8 +89,9 @@ class NSALayerCache:
         idx = start[:, None] + torch.arange(self.block_len, device=positions.device)  # [B,l]
         rows = _rows(positions)
         slot = self.n_cmp.clamp_max(self.k_cmp.shape[1] - 1)
-        for raw, phi, out in ((self.keys("cmp"), compress_k, self.k_cmp), (self.values("cmp"), compress_v, self.v_cmp)):
-            new = phi(raw[rows[:, None], idx])[:, 0]  # the same phi, on the same l RoPE'd tokens, as training
+        # The same phi, on the same l RoPE'd tokens, as training; keys and values in one batch.
+        blocks = torch.stack([self.keys("cmp")[rows[:, None], idx], self.values("cmp")[rows[:, None], idx]])
+        for new, out in zip(compress_pair(self.fused, blocks), (self.k_cmp, self.v_cmp)):
             out[rows, slot] = torch.where(due[:, None, None], new, out[rows, slot])
         self.n_cmp += due.long()
 
@@ -98,6 +101,7 @@ class DenseLayerCache:
     k: torch.Tensor
     v: torch.Tensor
     reads: torch.Tensor
+    fused: FusedWeights
 
     def fill(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[:, : k.shape[1]] = k
@@ -154,12 +158,16 @@ def _nsa_layer_cache(attn: NSAAttention, batch: int, max_len: int, dtype: torch.
         selected=torch.full((batch, g, nsa.n_sel), -1, dtype=torch.long, device=device),
         reads=torch.zeros(batch, g, dtype=torch.long, device=device),
         block_len=nsa.block_len, block_stride=nsa.block_stride,
+        fused=fuse(attn.input_layers, (attn.compress_k, attn.compress_v)),
     )
 
 
 def new_cache(model: nn.Module, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None,
               device: torch.device | str | None = None) -> DecodeCache:
-    """Zeroed caches for `batch_size` sequences of up to `max_len` tokens, in the model's dtype and device."""
+    """Zeroed caches for `batch_size` sequences of up to `max_len` tokens, in the model's dtype and device.
+
+    Each layer's cache holds a snapshot of its weights for fused matmuls: build it after loading weights.
+    """
     if max_len < 1 or batch_size < 1:
         raise ValueError(f"max_len and batch_size must be >= 1, got {max_len} and {batch_size}")
     param = next(model.parameters())
@@ -174,5 +182,6 @@ def new_cache(model: nn.Module, batch_size: int, max_len: int, *, dtype: torch.d
             layers.append(DenseLayerCache(
                 k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device),
                 reads=torch.zeros(batch_size, attn.n_kv_heads, dtype=torch.long, device=device),
+                fused=fuse((attn.wq, attn.wkv)),
             ))
     return DecodeCache(layers, torch.zeros(batch_size, dtype=torch.long, device=device), max_len)

@@ -17,6 +17,7 @@ from ..model.rope import apply_rope
 from ..ops import nsa_attention
 from .attention import decode_attention, dense_decode_attention
 from .cache import DecodeCache, DenseLayerCache, NSALayerCache
+from .fused import FusedWeights, input_projections
 
 
 def _hyper(attn: NSAAttention) -> dict:
@@ -37,9 +38,9 @@ def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, lengths)
 
 
 def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions) -> torch.Tensor:
-    p = attn.project(x, cos, sin)
+    p = attn.project_from(*input_projections(cache.fused, x), cos, sin)
     cache.write(p, positions)
-    cache.emit(attn.compress_k, attn.compress_v, positions)  # before attending: a block ending at t is visible to t
+    cache.emit(positions)  # before attending: a block ending at t is visible to t
     hyper = _hyper(attn)
     o, reads = decode_attention(p["q"][:, 0], p["gates"][:, 0].to(p["q"].dtype), cache, positions,
                                 sel_block=hyper["sel_block"], n_sel=hyper["n_sel"], window=hyper["window"],
@@ -48,11 +49,12 @@ def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions) 
     return attn.wo(o.flatten(1))[:, None]
 
 
-def _dense_qkv(attn: nn.Module, x, cos, sin):
-    # DenseAttention.forward's projections.
+def _dense_qkv(attn: nn.Module, x, cos, sin, fused: FusedWeights | None = None):
+    # DenseAttention.forward's projections (from one matmul when given the fused weights).
     b, t, _ = x.shape
-    q = apply_rope(attn.wq(x).view(b, t, attn.n_heads, attn.head_dim), cos, sin)
-    k, v = attn.wkv(x).view(b, t, 2, attn.n_kv_heads, attn.head_dim).unbind(2)
+    q_lin, kv_lin = input_projections(fused, x) if fused is not None else (attn.wq(x), attn.wkv(x))
+    q = apply_rope(q_lin.view(b, t, attn.n_heads, attn.head_dim), cos, sin)
+    k, v = kv_lin.view(b, t, 2, attn.n_kv_heads, attn.head_dim).unbind(2)
     return q, apply_rope(k, cos, sin), v
 
 
@@ -67,7 +69,7 @@ def _dense_prefill(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, lengths
 
 
 def _dense_step(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, positions) -> torch.Tensor:
-    q, k, v = _dense_qkv(attn, x, cos, sin)
+    q, k, v = _dense_qkv(attn, x, cos, sin, cache.fused)
     cache.write(k, v, positions)
     o, reads = dense_decode_attention(q[:, 0], cache, positions)
     cache.reads.copy_(reads)

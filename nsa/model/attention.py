@@ -26,10 +26,19 @@ class GateMLP(nn.Module):
         self.fc1 = nn.Linear(dim, hidden, bias=False) if hidden else None
         self.fc2 = nn.Linear(hidden or dim, n_heads * len(BRANCHES), bias=False)
 
+    @property
+    def first_layer(self) -> nn.Linear:
+        """The linear map applied to x first (fc1, or fc2 for a linear gate): decoding fuses it with the layer's."""
+        return self.fc1 if self.fc1 is not None else self.fc2
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.fc2(F.silu(self.fc1(x)) if self.fc1 is not None else x)
+        return self.finish(self.first_layer(x))
+
+    def finish(self, h: torch.Tensor) -> torch.Tensor:
+        """Gates [..., n_heads, 3] from h = first_layer(x)."""
+        logits = self.fc2(F.silu(h)) if self.fc1 is not None else h
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return torch.sigmoid(logits).view(*x.shape[:-1], self.n_heads, len(BRANCHES))
+        return torch.sigmoid(logits).view(*h.shape[:-1], self.n_heads, len(BRANCHES))
 
 
 class NSAAttention(nn.Module):
@@ -54,14 +63,24 @@ class NSAAttention(nn.Module):
         self.compress_v = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden)
         self.gate = GateMLP(cfg.dim, nsa.gate_hidden, cfg.n_heads)
 
+    @property
+    def input_layers(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        """The linear maps of the layer input (queries, keys/values, the gate's first layer), in project_from's order."""
+        return self.wq, self.wkv, self.gate.first_layer
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, torch.Tensor]:
         """Queries, per-branch keys/values (raw, RoPE'd where keys) and gates for x [B,T,dim]."""
-        b, t, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
-        kv = self.wkv(x).view(b, t, self.n_kv_sets, 2, self.n_kv_heads, self.head_dim)
+        return self.project_from(*(layer(x) for layer in self.input_layers), cos, sin)
+
+    def project_from(self, q_lin: torch.Tensor, kv_lin: torch.Tensor, gate_lin: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> dict[str, torch.Tensor]:
+        """project() given the outputs of input_layers (which a decode step computes as one matmul)."""
+        b, t, _ = q_lin.shape
+        q = apply_rope(q_lin.view(b, t, self.n_heads, self.head_dim), cos, sin)
+        kv = kv_lin.view(b, t, self.n_kv_sets, 2, self.n_kv_heads, self.head_dim)
         keys = apply_rope(kv[:, :, :, 0].flatten(2, 3), cos, sin).view(b, t, self.n_kv_sets, self.n_kv_heads, -1)
         values = kv[:, :, :, 1]
-        out = {"q": q, "gates": self.gate(x)}
+        out = {"q": q, "gates": self.gate.finish(gate_lin)}
         for i, branch in enumerate(BRANCHES):
             kv_set = i % self.n_kv_sets  # with shared_kv every branch reads set 0
             out[f"k_{branch}"] = keys[:, :, kv_set]

@@ -1,0 +1,62 @@
+"""Decode-time fused weights: fewer, larger matmuls for a step that is bound by kernel launches.
+
+At batch 1 to 16 a decode step's matmuls are tiny, so their count, not their FLOPs, sets the time.
+A layer's input goes through one matmul for all of its linear maps (queries, keys/values and, for
+NSA, the gate's first layer), and phi's MLP runs on the new key block and value block together as
+one batched matmul per MLP layer. The weights are a snapshot taken when the cache is built: load a
+checkpoint before `new_cache`, not after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class FusedWeights:
+    w_in: torch.Tensor
+    """[sum(widths), dim]: the layer's input maps stacked by output rows."""
+    widths: tuple[int, ...]
+    """Output width of each input map, in the order the attention module lists them."""
+    phi_pos: torch.Tensor | None = None
+    """[2, l, D]: phi's intra-block position embedding for keys and values (None: phi is the mean)."""
+    phi_fc1: torch.Tensor | None = None
+    """[2, l*D, hidden]: phi's first layer for keys and values, transposed for bmm."""
+    phi_fc2: torch.Tensor | None = None
+    """[2, hidden, D]: phi's second layer, transposed."""
+
+
+def fuse(layers: tuple[nn.Linear, ...], compressors: tuple[nn.Module, nn.Module] | None = None) -> FusedWeights:
+    """Stack the input maps (bias-free linears reading the same input) and, with phi='mlp', both compressors."""
+    fused = FusedWeights(torch.cat([layer.weight.detach() for layer in layers]),
+                         tuple(layer.out_features for layer in layers))
+    if compressors is not None and compressors[0].kind == "mlp":
+        k, v = compressors
+        fused.phi_pos = torch.stack([k.pos.detach(), v.pos.detach()])
+        fused.phi_fc1 = torch.stack([k.fc1.weight.detach().t(), v.fc1.weight.detach().t()]).contiguous()
+        fused.phi_fc2 = torch.stack([k.fc2.weight.detach().t(), v.fc2.weight.detach().t()]).contiguous()
+    return fused
+
+
+def input_projections(fused: FusedWeights, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each input map of x [..., dim], from one matmul."""
+    return list(F.linear(x, fused.w_in).split(fused.widths, dim=-1))
+
+
+def compress_pair(fused: FusedWeights, blocks: torch.Tensor) -> torch.Tensor:
+    """phi of one block of keys and one of values, blocks [2, B, l, G, D] -> [2, B, G, D].
+
+    The same function as BlockCompressor on a block of l tokens: the mean, plus with phi='mlp' the MLP
+    of the flattened block (token-major) plus the position embedding.
+    """
+    mean = blocks.mean(dim=2)
+    if fused.phi_fc1 is None:
+        return mean
+    two, b, l, g, d = blocks.shape
+    flat = (blocks + fused.phi_pos[:, None, :, None, :]).permute(0, 1, 3, 2, 4).reshape(two, b * g, l * d)
+    out = torch.bmm(F.silu(torch.bmm(flat, fused.phi_fc1)), fused.phi_fc2)
+    return mean + out.view(two, b, g, d)
