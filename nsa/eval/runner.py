@@ -242,7 +242,8 @@ def _score(model, examples, batch: int, device: torch.device, progress: Callable
     hits: list[bool] = []
     selected: list[list[float]] = []
     failure = None
-    sel_block = nsa_layers(model)[0].cfg.nsa.sel_block if nsa_layers(model) else 0
+    layers = nsa_layers(model)
+    sel_block = layers[0].cfg.nsa.sel_block if layers else 0
     try:
         for i in range(0, len(examples), batch):
             chunk = examples[i:i + batch]
