@@ -342,6 +342,13 @@ def test_compare_two_runs(runs, tmp_path):
     assert "| nsa | nsa | 1337 | 6 |" in text and "| dense | dense | 1337 | 6 |" in text and ") at step 6 |" in text
     assert "**Margin:** NSA's mean validation loss is" in text
     assert "| nsa (nsa) |" in text and "| dense (dense) |" in text  # both heatmaps' rows
+    # NSA's needle selection, from its eval.json; dense has no row.
+    table = text.split("Needle block selected at the answer query")[1].split("![]")[0]
+    nsa_row = re.search(r"^\| nsa \| ([0-9.| ]+)\|$", table, re.M)
+    info = json.loads((runs / "nsa" / "eval" / "eval.json").read_text())["retrieval"]
+    first = min(int(n) for n in info["needle_selected"]["passkey"])
+    assert nsa_row and nsa_row.group(1).split("|")[0].strip() == f"{info['needle_selected']['passkey'][str(first)]:.2f}"
+    assert "| dense | " not in table
     assert "| nsa | 6 |" in text and "all three used?" in text  # the NSA run's gates; dense has none
 
 

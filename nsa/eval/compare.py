@@ -351,6 +351,7 @@ def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]]) -> 
                 col = grid.acc[:, j]
                 cells.append(f"{np.nanmean(col):.2f}" if np.isfinite(col).any() else grid.skipped.get(n, "-"))
             lines.append(f"| {grid.title} | " + " | ".join(cells) + " |")
+        lines += _needle_selected_table(runs, task, lengths)
         lines += ["", f"![](retrieval_{task}.png)", ""]
     for r in runs:
         meta = r.eval_meta
@@ -361,6 +362,21 @@ def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]]) -> 
     if missing:
         lines.append(f"- no retrieval results: {', '.join(missing)}")
     return lines + [""]
+
+
+def _needle_selected_table(runs: list[RunSummary], task: str, lengths: list[int]) -> list[str]:
+    """NSA runs' share of (layer, kv group) whose selection at the answer query held the needle, per length."""
+    shares = {r.name: (r.eval_meta or {}).get("retrieval", {}).get("needle_selected", {}).get(task) for r in runs}
+    shares = {name: by_length for name, by_length in shares.items() if by_length}
+    if not shares:
+        return []
+    lines = ["", "Needle block selected at the answer query (NSA: share of layers x kv groups, mean over depths; "
+             "forced blocks count):", "",
+             "| run | " + " | ".join(length_label(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for name, by_length in shares.items():
+        cells = [f"{by_length[str(n)]:.2f}" if str(n) in by_length else "-" for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _gate_section(runs: list[RunSummary], has_plot: bool) -> list[str]:
