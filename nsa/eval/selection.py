@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ..model.attention import NSAAttention
-from ..ops import select_blocks
 
 
 def nsa_layers(model: nn.Module) -> list[NSAAttention]:
@@ -30,8 +29,8 @@ def nsa_layers(model: nn.Module) -> list[NSAAttention]:
 def record_selection(model: nn.Module, query_pos: torch.Tensor) -> Iterator[list[torch.Tensor]]:
     """While active, each NSA layer's forward appends its selected blocks [B,G,n] at positions query_pos [B].
 
-    The selection is recomputed from the layer's own inputs with `nsa.ops.select_blocks`, the op the
-    layer's attention uses, so it is exactly what the forward attended to. Costs one more projection and
+    The selection is recomputed from the layer's own inputs (NSAAttention.selected_blocks, the op the
+    layer's attention uses), so it is exactly what the forward attended to. Costs one more projection and
     selection per layer.
     """
     records: list[torch.Tensor] = []
@@ -45,12 +44,7 @@ def record_selection(model: nn.Module, query_pos: torch.Tensor) -> Iterator[list
 
 
 def _record(attn: NSAAttention, inputs: tuple, output: torch.Tensor, *, records: list, query_pos: torch.Tensor):
-    x, cos, sin = inputs
-    nsa = attn.cfg.nsa
-    p = attn.project(x, cos, sin)
-    idx = select_blocks(p["q"], attn.compress_k(p["k_cmp"]), block_len=nsa.block_len,
-                        block_stride=nsa.block_stride, sel_block=nsa.sel_block, n_sel=nsa.n_sel,
-                        backend=nsa.backend)  # [B,T,G,n]
+    idx = attn.selected_blocks(attn.project(*inputs))  # [B,T,G,n]
     records.append(idx[torch.arange(idx.shape[0], device=idx.device), query_pos])
 
 

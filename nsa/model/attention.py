@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import nsa_attention
+from ..ops import nsa_attention, select_blocks
 from .compression import BlockCompressor
 from .config import ModelConfig
 from .rope import apply_rope
@@ -86,6 +86,13 @@ class NSAAttention(nn.Module):
             out[f"k_{branch}"] = keys[:, :, kv_set]
             out[f"v_{branch}"] = values[:, :, kv_set]
         return out
+
+    def selected_blocks(self, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Block indices [B,T,G,n] the selected branch attends to, for project()'s outputs p (statistics, eval)."""
+        nsa = self.cfg.nsa
+        return select_blocks(p["q"], self.compress_k(p["k_cmp"]), block_len=nsa.block_len,
+                             block_stride=nsa.block_stride, sel_block=nsa.sel_block, n_sel=nsa.n_sel,
+                             backend=nsa.backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape

@@ -27,7 +27,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..model.attention import NSAAttention
-from ..ops import select_blocks
 from ..ops.geometry import num_selection_blocks
 
 
@@ -116,13 +115,9 @@ def selection_sums(idx: torch.Tensor, sel_block: int, seq_len: int) -> dict[str,
 
 
 def _layer_sums(attn: NSAAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, torch.Tensor]:
-    nsa = attn.cfg.nsa
     p = attn.project(x, cos, sin)
-    idx = select_blocks(
-        p["q"], attn.compress_k(p["k_cmp"]), block_len=nsa.block_len, block_stride=nsa.block_stride,
-        sel_block=nsa.sel_block, n_sel=nsa.n_sel, backend=nsa.backend,
-    )
-    return {**_gate_sums(p["gates"]), **selection_sums(idx, nsa.sel_block, x.shape[1])}
+    idx = attn.selected_blocks(p)
+    return {**_gate_sums(p["gates"]), **selection_sums(idx, attn.cfg.nsa.sel_block, x.shape[1])}
 
 
 @torch.no_grad()
