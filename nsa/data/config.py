@@ -33,6 +33,12 @@ class RetrievalConfig:
     A uniform depth almost never puts the needle right before the question at long lengths (about 1 example
     in 1,000 at 16k), and models trained so lose that case: on an H100 both NSA and dense scored 0-50% at
     depth 1 from 16k on while scoring 75-100% at every other depth. `nsa eval` always scores depths 0 and 1."""
+    mix_lengths: list[int] = field(default_factory=list)
+    """More example lengths trained alongside train.seq_len, e.g. [32768, 65536]: each step draws one of
+    train.seq_len and these (uniformly, the same on every rank) and holds batch_size * seq_len / length examples
+    of it, so every step has the same tokens. Each must divide batch_size * seq_len. Validation stays at
+    train.seq_len. A curriculum of one length at a time lets a model settle on the shorter length first, and
+    the step to twice that length then failed in one NSA run of two on an H100 (benchmarks/RESULTS.md)."""
 
 
 @dataclass

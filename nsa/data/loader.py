@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import queue
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -164,32 +165,47 @@ class SyntheticBatches:
 class RetrievalBatches:
     """Retrieval examples (nsa/data/retrieval.py), one per sequence of seq_len + 1 tokens, each with its needle at
     a uniformly random depth (or, for a depth_ends share of them, at depth 0 or 1); batch i of rank r depends only
-    on (seed, r, i)."""
+    on (seed, r, i). With mix_lengths, batch i is of a length drawn from (seq_len, *mix_lengths) by (seed, i) alone,
+    so that every rank draws the same, with as many rows as keep batch_size * seq_len tokens."""
 
     def __init__(self, tasks: RetrievalTasks, task: str, seq_len: int, batch_size: int, seed: int, rank: int = 0,
-                 answer_only: bool = False, tail: int = 0, depth_ends: float = 0.0):
+                 answer_only: bool = False, tail: int = 0, depth_ends: float = 0.0, mix_lengths: Sequence[int] = ()):
         self.tasks, self.task, self.seq_len, self.batch_size, self.seed, self.rank = (
             tasks, task, seq_len, batch_size, seed, rank)
         self.answer_only, self.tail, self.depth_ends = answer_only, tail, depth_ends
+        self.lengths = (seq_len, *mix_lengths)
         self.counter = 0
+        tokens = seq_len * batch_size
+        for length in mix_lengths:
+            if length < 1 or tokens % length:
+                raise UserError(f"data.retrieval.mix_lengths holds {length}, which does not divide the "
+                                f"{tokens:,} tokens of a step (train.batch_size x train.seq_len); use lengths that do")
         if tail < 0:
             raise UserError(f"data.retrieval.tail must be >= 0, got {tail}")
         if not 0.0 <= depth_ends <= 1.0:
             raise UserError(f"data.retrieval.depth_ends is a share of the examples: set it in [0, 1], got {depth_ends}")
         for name in TASKS if task == "mixed" else (task,):
             try:  # here, at setup, rather than on the prefetch thread
-                tasks.example(name, seq_len + 1 - tail, 0.5, example_rng(seed))
+                tasks.example(name, min(self.lengths) + 1 - tail, 0.5, example_rng(seed))
             except ValueError as e:
-                what = f"train.seq_len={seq_len}" + (f" less data.retrieval.tail={tail}" if tail else "")
+                shortest = min(self.lengths)
+                what = (f"train.seq_len={seq_len}" if shortest == seq_len else
+                        f"data.retrieval.mix_lengths' {shortest}") + (f" less data.retrieval.tail={tail}" if tail else "")
                 raise UserError(f"{what} is too short for data.retrieval.task={task}: {e}") from None
+
+    def _length(self) -> int:
+        if len(self.lengths) == 1:  # no draw: the stream stays as it was without mix_lengths
+            return self.seq_len
+        return self.lengths[int(example_rng(self.seed, self.counter).integers(len(self.lengths)))]
 
     def next_batch(self) -> Batch:
         rows, starts, ends = [], [], []
-        for row in range(self.batch_size):
+        length = self._length()
+        for row in range(self.seq_len * self.batch_size // length):
             rng = example_rng(self.seed, self.rank, self.counter, row)
             task = TASKS[int(rng.integers(len(TASKS)))] if self.task == "mixed" else self.task
             tail = int(rng.integers(self.tail + 1)) if self.tail else 0  # no draw at 0: the stream stays as it was
-            example = self.tasks.example(task, self.seq_len + 1 - tail, self._depth(rng), rng)
+            example = self.tasks.example(task, length + 1 - tail, self._depth(rng), rng)
             rows.append(np.concatenate([example.tokens, self.tasks.filler(tail, rng)]))
             starts.append(example.answer_start)
             ends.append(example.answer_start + example.answer_len)
@@ -197,7 +213,7 @@ class RetrievalBatches:
         tokens = torch.from_numpy(np.stack(rows))
         x, y = tokens[:, :-1], tokens[:, 1:].clone()
         if self.answer_only:  # target j is token j + 1: the answer's targets are j in [start - 1, end - 1)
-            j = torch.arange(self.seq_len)[None, :]
+            j = torch.arange(length)[None, :]
             y[(j < torch.tensor(starts)[:, None] - 1) | (j >= torch.tensor(ends)[:, None] - 1)] = -1
         return x, y
 
@@ -320,7 +336,8 @@ def build_data(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: 
         tasks = RetrievalTasks(tokenizer, cfg.retrieval.kv_pairs)
         answer_only = cfg.retrieval.loss == "answer"
         shape = dict(answer_only=answer_only, tail=cfg.retrieval.tail, depth_ends=cfg.retrieval.depth_ends)
-        stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed, rank, **shape)
+        stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed, rank, **shape,
+                                  mix_lengths=cfg.retrieval.mix_lengths)
         # Validation examples come from another seed, so they never repeat a training example.
         val_stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed + 1_000_003, rank, **shape)
         val = [val_stream.next_batch() for _ in range(eval_batches)] if cfg.val_fraction > 0 else []
