@@ -11,10 +11,11 @@ group) would leave the GPU nearly idle at batch 1. The work is split instead, in
      rescales every chunk's contributions to exp(s - lse), sums the heads, and keeps a running
      top-n with the forced blocks (the same int64 ranking keys as the training selection).
      With more than one group of CT chunks (contexts past CT*K*l' tokens), the ranking is split
-     in two (measured on an H100 at 64k: 1.44x faster layer attention at batch 1, 1.25x at batch 16): B1, one program per (group of CT chunks, sequence, group), computes the lse from the
-     chunks' (max, sum) alone and keeps its chunks' own top K; B2 merges the compressed output and
-     the groups' top-K lists. The global top n is among the groups' top K, so the choice is the same,
-     and no program walks every chunk's scores in series;
+     in two (measured on an H100 at 64k: 1.44x faster layer attention at batch 1, 1.25x at batch 16): B1, one
+     program per (group of CT chunks, sequence, group), computes the lse from the chunks' (max, sum) alone,
+     keeps its chunks' own top K and merges their compressed partials into one; B2 merges the groups'
+     compressed partials into the output and their top-K lists. The global top n is among the groups'
+     top K, so the choice is the same, and no program walks every chunk in series;
   C. one program per (chosen block or window tile, sequence, group): a partial softmax over
      those raw tokens (only tokens <= t);
   D. one program per (sequence, group): merges the selected and window partials and forms the
@@ -188,13 +189,21 @@ def _sequence(pid, G, POS, sel_block):
 
 @triton.jit
 def _select_part_kernel(
-    PM, PL, PSC, POS, PK, G, NCH, NCG, sel_block,
-    HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
+    PM, PL, PACC, PSC, POS, PK, GM, GL, GACC, G, NCH, NCG, sel_block,
+    HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
 ):
     cg = tl.program_id(0)
     pid = tl.program_id(1)
     _, _, _, j_t = _sequence(pid, G, POS, sel_block)
     first = pid * NCH
+    # The group's chunks merged into one partial of the compressed branch, so that B2 merges NCG partials
+    # rather than NCH (in one program, that merge was the step's slowest kernel at 64k on an H100).
+    rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
+    m_g, l_g, acc_g = _merge(PM, PL, PACC, first + cg * CT, tl.minimum(CT, NCH - cg * CT), HP, BLOCK_DV, PT)
+    row = (pid * NCG + cg).to(tl.int64) * HP + rh
+    tl.store(GM + row, m_g)
+    tl.store(GL + row, l_g)
+    tl.store(GACC + row[:, None] * BLOCK_DV + dv[None, :], acc_g)
     out = PK + (pid * NCG + cg).to(tl.int64) * K + tl.reshape(tl.arange(0, K), [1, K])
     if cg * CT * K > j_t:  # every block of this group comes after t's
         tl.store(out, tl.full([1, K], -1, tl.int64))
@@ -206,13 +215,13 @@ def _select_part_kernel(
 
 @triton.jit
 def _select_merge_kernel(
-    PM, PL, PACC, PK, POS, OCMP, IDX,
-    sib, sig, G, NCH, NCG, sel_block, n_sel,
+    GM, GL, GACC, PK, POS, OCMP, IDX,
+    sib, sig, G, NCG, sel_block, n_sel,
     HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, g, _, j_t = _sequence(pid, G, POS, sel_block)
-    _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP, BLOCK_DV, PT)
+    _compressed_output(GM, GL, GACC, OCMP, pid, NCG, HP, BLOCK_DV, PT)
     # CT groups' lists of K keys make one [1, CT*K] tile; groups past t's hold only -1.
     kk = tl.arange(0, CT * K)
     best = tl.full([1, CT * K], -1, tl.int64)
@@ -356,11 +365,14 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     n_groups = triton.cdiv(n_chunks, CT)
     if n_groups > 1:
         part = torch.empty(bg, n_groups, K, device=q.device, dtype=torch.int64)
+        gm, gl = torch.empty(bg, n_groups, HP, **f32), torch.empty(bg, n_groups, HP, **f32)
+        gacc = torch.empty(bg, n_groups, HP, dims["BLOCK_DV"], **f32)
         _select_part_kernel[(n_groups, bg)](
-            pm, pl, psc, positions, part, G, n_chunks, n_groups, sel_block, HP=HP, K=K, CT=CT, PT=8, **warps)
+            pm, pl, pacc, psc, positions, part, gm, gl, gacc, G, n_chunks, n_groups, sel_block, HP=HP,
+            BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=CT, **warps)
         _select_merge_kernel[(bg,)](
-            pm, pl, pacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_chunks,
-            n_groups, sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **warps)
+            gm, gl, gacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_groups,
+            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **warps)
     else:
         _select_kernel[(bg,)](
             pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_chunks,
