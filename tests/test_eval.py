@@ -68,6 +68,7 @@ def test_examples_hit_the_length_exactly_and_put_the_needle_at_the_depth(tokeniz
             assert ex.tokens.dtype == np.int64 and len(ex.tokens) == length
             question_len = ex.answer_start - ex.needle_start - ex.needle_len  # at depth 1, nothing in between
             haystack = ex.answer_start - len(tokenizer.encode(_question(task, tokenizer, ex)))
+            assert ex.question_start == haystack  # the question follows the haystack
             # The needle sits at a gap between sentences (or pairs): within one such unit of the request.
             assert abs(ex.needle_start - depth * (haystack - ex.needle_len)) <= max(longest_sentence, 40)
             assert ex.depth == pytest.approx(ex.needle_start / (haystack - ex.needle_len))
@@ -240,6 +241,19 @@ class CopyModel(nn.Module):
         return torch.nn.functional.one_hot(nxt[:, :tokens.shape[1]], self.vocab).float() * 10 + self.dummy
 
 
+def test_needle_selection_reads_every_query_of_the_question():
+    tasks = RetrievalTasks(ByteTokenizer())
+    examples = [tasks.example(task, 300, 0.5, example_rng(4, i)) for i, task in enumerate(["passkey", "kv"])]
+    queries = runner._question_queries(examples, torch.device("cpu"))
+    decode = ByteTokenizer().decode
+    for row, ex in zip(queries.tolist(), examples):
+        span = ex.answer_start - ex.question_start
+        assert row[:span] == list(range(ex.question_start, ex.answer_start))
+        assert set(row[span:]) <= {ex.answer_start - 1}  # the shorter question repeats its last query
+        assert decode(ex.tokens[row[0]:row[span - 1] + 1].tolist()).startswith(" What is the")
+    assert queries.shape[1] == max(ex.answer_start - ex.question_start for ex in examples)
+
+
 def test_exact_match_scores_the_answer_tokens_only():
     tasks = RetrievalTasks(ByteTokenizer())
     examples = [tasks.example(task, 256, 0.5, example_rng(3, i)) for i, task in enumerate(["passkey", "kv", "kv"])]
@@ -380,7 +394,7 @@ def test_compare_two_runs(runs, tmp_path):
     assert "**Margin:** NSA's mean validation loss is" in text
     assert "| nsa (nsa) |" in text and "| dense (dense) |" in text  # both heatmaps' rows
     # NSA's needle selection, from its eval.json; dense has no row.
-    table = text.split("Needle block selected at the answer query")[1].split("![]")[0]
+    table = text.split("Needle block selected at a query of the question")[1].split("![]")[0]
     nsa_row = re.search(r"^\| nsa \| ([0-9.| ]+)\|$", table, re.M)
     info = json.loads((runs / "nsa" / "eval" / "eval.json").read_text())["retrieval"]
     first = min(int(n) for n in info["needle_selected"]["passkey"])

@@ -19,6 +19,10 @@ def test_needle_selected_checks_every_block_the_needle_overlaps():
     assert found[:, 0].tolist() == [[True, False], [True, True], [True, False]]
     # A needle of one token at the last position of block 2 is in none of the chosen blocks.
     assert not needle_selected(selected, torch.tensor([191]), torch.tensor([1]), 64).any()
+    # Several queries per row ([B,P,G,n]): a group counts when any of its queries chose the needle.
+    per_query = [torch.tensor([[[[0, 1, -1]], [[0, 2, -1]]], [[[0, 1, -1]], [[0, 1, -1]]]])]  # B 2, P 2, G 1
+    found = needle_selected(per_query, torch.tensor([130, 130]), torch.tensor([10, 10]), sel_block=64)
+    assert found.shape == (2, 1, 1) and found[:, 0, 0].tolist() == [True, False]
 
 
 def test_record_selection_returns_what_each_layer_selects_at_the_query():
@@ -47,6 +51,13 @@ def test_record_selection_returns_what_each_layer_selects_at_the_query():
         assert torch.equal(got, want)
     # Query 97 lies in block 3 (sel_block 32): its forced blocks 0, 2 and 3 are among what it selected.
     assert {0, 2, 3} <= set(records[0][1, 0].tolist())
+    # Several queries per row: the same selections, [B,P,G,n].
+    queries = torch.stack([query, query - 1, query - 40], 1)
+    with torch.no_grad(), record_selection(model, queries) as several:
+        model.hidden(tokens)
+    for got, one in zip(several, records):
+        assert got.shape == (2, 3) + one.shape[1:] and torch.equal(got[:, 0], one)
+    assert not torch.equal(several[0][:, 0], several[0][:, 2])  # other queries, other choices
     # The hooks are gone afterwards.
     with torch.no_grad():
         model.hidden(tokens)

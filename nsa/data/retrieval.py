@@ -57,6 +57,8 @@ class RetrievalExample:
     depth: float
     """Achieved depth: needle_start / (haystack tokens - needle_len), in [0, 1]."""
     answer: str
+    question_start: int
+    """First token of the question (it runs up to answer_start)."""
     distractors: int = 0
     """Key-value pairs besides the queried one (kv)."""
 
@@ -144,7 +146,7 @@ class RetrievalTasks:
         return RetrievalExample(
             task=task, tokens=tokens, answer_start=length - len(answer), needle_start=needle_start,
             needle_len=len(needle), depth=needle_start / haystack if haystack else 0.0, answer=answer_text,
-            distractors=len(distractors),
+            question_start=length - len(answer) - len(question), distractors=len(distractors),
         )
 
     def filler(self, n: int, rng: np.random.Generator) -> np.ndarray:

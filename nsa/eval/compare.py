@@ -365,12 +365,12 @@ def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]]) -> 
 
 
 def _needle_selected_table(runs: list[RunSummary], task: str, lengths: list[int]) -> list[str]:
-    """NSA runs' share of (layer, kv group) whose selection at the answer query held the needle, per length."""
+    """NSA runs' share of (layer, kv group) whose selection at a query of the question held the needle, per length."""
     shares = {r.name: (r.eval_meta or {}).get("retrieval", {}).get("needle_selected", {}).get(task) for r in runs}
     shares = {name: by_length for name, by_length in shares.items() if by_length}
     if not shares:
         return []
-    lines = ["", "Needle block selected at the answer query (NSA: share of layers x kv groups, mean over depths; "
+    lines = ["", "Needle block selected at a query of the question (NSA: share of layers x kv groups, mean over depths; "
              "forced blocks count):", "",
              "| run | " + " | ".join(length_label(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
     for name, by_length in shares.items():

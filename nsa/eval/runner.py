@@ -162,7 +162,7 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
         print(f"\n{task}: exact-match accuracy (rows: needle depth, columns: context length)")
         print(_table(grid))
         if task in selection:
-            print(f"\n{task}: needle block selected at the first answer query "
+            print(f"\n{task}: needle block selected at a query of the question "
                   "(share of layers x kv groups; forced blocks count)")
             print(_table(selection[task]))
     print(f"\nwrote {out / 'eval.csv'}, {out / 'eval.json'}" + "".join(f", {p.name}" for p in images))
@@ -236,7 +236,7 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
 def _score(model, examples, batch: int, device: torch.device, progress: Callable[[int], object]
            ) -> tuple[list[bool], list[list[float]], str | None]:
     """Exact match of every example, in batches; for an NSA model, per example and layer, the share of kv
-    groups whose selection at the first answer query holds the needle (empty lists for a dense model); and
+    groups whose selection at a query of the question holds the needle (empty lists for a dense model); and
     None, or a one-line reason when memory ran out."""
     batch = max(1, batch)
     hits: list[bool] = []
@@ -250,7 +250,7 @@ def _score(model, examples, batch: int, device: torch.device, progress: Callable
             tokens = torch.from_numpy(np.stack([e.tokens for e in chunk])).to(device)
             start = torch.tensor([e.answer_start for e in chunk], device=device)
             length = torch.tensor([e.answer_len for e in chunk], device=device)
-            with record_selection(model, start - 1) as records:
+            with record_selection(model, _question_queries(chunk, device)) as records:
                 hits += exact_match(model, tokens, start, length).tolist()
             if records:
                 needle = torch.tensor([[e.needle_start, e.needle_len] for e in chunk], device=device)
@@ -267,6 +267,14 @@ def _score(model, examples, batch: int, device: torch.device, progress: Callable
         # Only now, with the exception and its frames gone, are the failed batch's tensors free.
         torch.cuda.empty_cache()
     return hits, selected, failure
+
+
+def _question_queries(examples: list, device: torch.device) -> torch.Tensor:
+    """[B,P] the positions of each example's question, up to the query before its answer; shorter questions
+    repeat their last position (a repeat changes no 'any')."""
+    spans = [range(e.question_start, e.answer_start) for e in examples]
+    width = max(len(s) for s in spans)
+    return torch.tensor([list(s) + [s[-1]] * (width - len(s)) for s in spans], device=device)
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -332,7 +340,7 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
             "tasks": list(opts.tasks), "lengths": list(opts.lengths), "depths": list(opts.depths),
             "samples": opts.samples, "seed": opts.seed, "kv_pairs": cfg.data.retrieval.kv_pairs,
             "mean_accuracy": mean, "skipped": skipped,
-            # NSA only: share of (layer, kv group) whose selection at the first answer query held the needle
+            # NSA only: share of (layer, kv group) whose selection at a query of the question held the needle
             "needle_selected": selected, "needle_selected_by_layer": by_layer,
         },
     }
