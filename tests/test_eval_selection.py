@@ -10,8 +10,8 @@ from nsa.ops import reference
 
 
 def test_needle_selected_checks_every_block_the_needle_overlaps():
-    # One layer, two kv groups, n = 3; -1 is an unused slot.
-    selected = [torch.tensor([[[0, 3, 5], [0, 1, -1]]]).expand(3, -1, -1)]
+    # One layer, one query per row, two kv groups, n = 3; -1 is an unused slot.
+    selected = [torch.tensor([[[[0, 3, 5], [0, 1, -1]]]]).expand(3, -1, -1, -1)]
     start = torch.tensor([200, 60, 320])  # blocks of 64: needle 3; needle 0-1 (60..69); needle 5 only
     length = torch.tensor([40, 10, 64])
     found = needle_selected(selected, start, length, sel_block=64)
@@ -32,7 +32,7 @@ def test_record_selection_returns_what_each_layer_selects_at_the_query():
     model = Transformer(cfg).eval()
     tokens = torch.randint(0, 256, (2, 150))
     query = torch.tensor([149, 97])
-    with torch.no_grad(), record_selection(model, query) as records:
+    with torch.no_grad(), record_selection(model, query[:, None]) as records:
         model.hidden(tokens)
     # The same selection, computed by walking the layers by hand with the reference.
     expected = []
@@ -48,15 +48,15 @@ def test_record_selection_returns_what_each_layer_selects_at_the_query():
             x = layer(x, cos, sin)
     assert len(records) == 2
     for got, want in zip(records, expected):
-        assert torch.equal(got, want)
+        assert torch.equal(got[:, 0], want)
     # Query 97 lies in block 3 (sel_block 32): its forced blocks 0, 2 and 3 are among what it selected.
-    assert {0, 2, 3} <= set(records[0][1, 0].tolist())
-    # Several queries per row: the same selections, [B,P,G,n].
+    assert {0, 2, 3} <= set(records[0][1, 0, 0].tolist())
+    # Several queries per row: the same selection at the first, [B,P,G,n].
     queries = torch.stack([query, query - 1, query - 40], 1)
     with torch.no_grad(), record_selection(model, queries) as several:
         model.hidden(tokens)
     for got, one in zip(several, records):
-        assert got.shape == (2, 3) + one.shape[1:] and torch.equal(got[:, 0], one)
+        assert got.shape == (2, 3) + one.shape[2:] and torch.equal(got[:, :1], one)
     assert not torch.equal(several[0][:, 0], several[0][:, 2])  # other queries, other choices
     # The hooks are gone afterwards.
     with torch.no_grad():

@@ -29,8 +29,7 @@ def nsa_layers(model: nn.Module) -> list[NSAAttention]:
 
 @contextlib.contextmanager
 def record_selection(model: nn.Module, query_pos: torch.Tensor) -> Iterator[list[torch.Tensor]]:
-    """While active, each NSA layer's forward appends its selected blocks at positions query_pos: [B,G,n] for
-    query_pos [B] (one query per row), [B,P,G,n] for query_pos [B,P].
+    """While active, each NSA layer's forward appends its selected blocks [B,P,G,n] at positions query_pos [B,P].
 
     The selection is recomputed from the layer's own inputs (NSAAttention.selected_blocks, the op the
     layer's attention uses), so it is exactly what the forward attended to. Costs one more projection and
@@ -48,8 +47,7 @@ def record_selection(model: nn.Module, query_pos: torch.Tensor) -> Iterator[list
 
 def _record(attn: NSAAttention, inputs: tuple, output: torch.Tensor, *, records: list, query_pos: torch.Tensor):
     idx = attn.selected_blocks(attn.project(*inputs))  # [B,T,G,n]
-    rows = torch.arange(idx.shape[0], device=idx.device).view(-1, *[1] * (query_pos.dim() - 1))
-    records.append(idx[rows, query_pos])
+    records.append(idx[torch.arange(idx.shape[0], device=idx.device)[:, None], query_pos])
 
 
 def needle_selected(selected: list[torch.Tensor], needle_start: torch.Tensor, needle_len: torch.Tensor,
@@ -57,12 +55,10 @@ def needle_selected(selected: list[torch.Tensor], needle_start: torch.Tensor, ne
     """bool [B,L,G]: layer L's kv group G selected a block overlapping the needle of each row (at any of the
     recorded queries).
 
-    selected: one [B,G,n] or [B,P,G,n] per layer (record_selection's records; -1 marks unused slots); the
-    needle of row b covers tokens [needle_start[b], needle_start[b] + needle_len[b]).
+    selected: one [B,P,G,n] per layer (record_selection's records; -1 marks unused slots); the needle of row
+    b covers tokens [needle_start[b], needle_start[b] + needle_len[b]).
     """
-    blocks = torch.stack(selected, 1)  # [B,L,G,n] or [B,L,P,G,n]
-    shape = (-1,) + (1,) * (blocks.dim() - 1)
-    first = (needle_start // sel_block).view(shape)
-    last = ((needle_start + needle_len - 1) // sel_block).view(shape)
-    found = ((blocks >= first) & (blocks <= last)).any(-1)
-    return found.any(2) if found.dim() == 4 else found
+    blocks = torch.stack(selected, 1)  # [B,L,P,G,n]
+    first = (needle_start // sel_block).view(-1, 1, 1, 1, 1)
+    last = ((needle_start + needle_len - 1) // sel_block).view(-1, 1, 1, 1, 1)
+    return ((blocks >= first) & (blocks <= last)).any(-1).any(2)

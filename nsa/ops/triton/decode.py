@@ -136,7 +136,8 @@ def _lse2(m_i, l_i):
 
 @triton.jit
 def _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr):
-    """Merge program pid's NCH chunk partials into the compressed branch's output (stored to OCMP); its lse."""
+    """Merge program pid's NCH partials (chunks, or groups of chunks) into the compressed branch's output
+    (stored to OCMP); its lse."""
     rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
     m_i, l_i, acc = _merge(PM, PL, PACC, pid * NCH, NCH, HP, BLOCK_DV, PT)
     tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
