@@ -38,14 +38,16 @@ def random_layer_cache(model, positions, seed, capacity=80):
     return layer, t
 
 
-@pytest.mark.parametrize("heads,groups", [(2, 2), (6, 1), (16, 1), (12, 2)], ids=["h1", "h6", "h16", "m7c-like"])
-def test_triton_decode_kernel_matches_the_pytorch_path(heads, groups):
-    model = model_for(heads, groups)
+@pytest.mark.parametrize("heads,groups,head_dim", [(2, 2, 8), (6, 1, 8), (16, 1, 8), (12, 2, 8), (12, 2, 40)],
+                         ids=["h1", "h6", "h16", "m7c-like", "m7c-like-d40"])
+def test_triton_decode_kernel_matches_the_pytorch_path(heads, groups, head_dim):
+    # head_dim 40: output columns in several tiles of the combine kernel, the last one partly masked.
+    model = model_for(heads, groups, head_dim=head_dim)
     nsa = model.cfg.nsa
     positions = [0, 6, 7, 31, 40, 63, 64, 79]  # before the first block, block edges, inside blocks, the end
     layer, t = random_layer_cache(model, positions, seed=heads)
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(len(positions), heads, 8, generator=gen).to(DEVICE)
+    q = torch.randn(len(positions), heads, head_dim, generator=gen).to(DEVICE)
     gates = torch.rand(len(positions), heads, 3, generator=gen).to(DEVICE)
     hyper = dict(sel_block=nsa.sel_block, n_sel=nsa.n_sel, window=nsa.window)
     want, want_reads = decode_attention(q, gates, layer, t, **hyper, backend="reference")
@@ -114,3 +116,30 @@ def test_decoding_with_the_kernel_equals_the_full_forward(monkeypatch):
     for i in range(22, 34):  # crosses compressed emissions (every 4 tokens) and a selection-block edge (32)
         logits.append(decode_step(model, tokens[:, i], cache))
     torch.testing.assert_close(torch.stack(logits, 1), full[:, 21:], **TOL)
+
+
+def test_the_graphed_decoder_steps_like_the_full_forward(monkeypatch):
+    """GraphedDecoder: on a GPU, CUDA graphs of the step with and without the compressed emission, picked per
+    step from the host's lengths; without one, the same steps launched eagerly. Ragged prompts make the two
+    sequences complete their blocks on different steps."""
+    import nsa.inference.decode as decode_module
+    from nsa.inference.graphed import GraphedDecoder
+
+    def triton_decode_attention(*args, **kwargs):
+        return decode_attention(*args, **{**kwargs, "backend": "triton"})
+
+    monkeypatch.setattr(decode_module, "decode_attention", triton_decode_attention)
+    model = model_for(4, 2)
+    tokens = torch.randint(0, 53, (2, 34), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    full = model(tokens)
+    lengths = torch.tensor([13, 22], device=DEVICE)
+    cache = new_cache(model, 2, 34)
+    prefill(model, tokens[:, :22], cache, lengths)
+    decoder = GraphedDecoder(model, cache)
+    for k in range(12):  # t = 13..24 and 22..33: emissions at t = 15, 19, 23 and 23, 27, 31 (l = 8, d = 4)
+        got = decoder(tokens[[0, 1], lengths + k])
+        torch.testing.assert_close(got, full[[0, 1], lengths + k], **TOL)
+    assert cache.host_lengths == [25, 34] and cache.lengths.tolist() == [25, 34]
+    assert set(decoder.graphs) == ({True, False} if DEVICE == "cuda" else set())
+    nc = cache.layers[0].n_cmp.tolist()
+    assert nc == [(25 - 8) // 4 + 1, (34 - 8) // 4 + 1]  # every due block emitted once, none twice

@@ -18,8 +18,8 @@ group) would leave the GPU nearly idle at batch 1. The work is split instead, in
      top K, so the choice is the same, and no program walks every chunk in series;
   C. one program per (chosen block or window tile, sequence, group): a partial softmax over
      those raw tokens (only tokens <= t);
-  D. one program per (sequence, group): merges the selected and window partials and forms the
-     gated sum; it also counts the key/value tokens read.
+  D. one program per (sequence, group, 16 output columns): merges the selected and window partials
+     and forms the gated sum; it also counts the key/value tokens read.
 Only the compressed stream, the chosen blocks and the window are loaded: Nc(t) + n*l' + w tokens.
 """
 
@@ -81,14 +81,15 @@ def _chunk_kernel(
 
 
 @triton.jit
-def _merge(PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr):
+def _merge(PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr,
+           c0, DVT: tl.constexpr):
     """Merge `count` partial softmaxes (rows first .. first+count-1 of [*, HP] stats and [*, HP, BLOCK_DV]
-    sums): (max, sum, acc) over all of them, in log2 units."""
+    sums), PT at a time: (max, sum, acc) over all of them, in log2 units; acc holds the DVT columns from c0."""
     rh = tl.arange(0, HP)
-    dv = tl.arange(0, BLOCK_DV)
+    dv = c0 + tl.arange(0, DVT)
+    acc = tl.zeros([HP, DVT], tl.float32)
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
-    acc = tl.zeros([HP, BLOCK_DV], tl.float32)
     for p0 in range(0, count, PT):
         pp = p0 + tl.arange(0, PT)
         ok = pp < count
@@ -139,7 +140,7 @@ def _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP: tl.constexpr, BLOCK_DV:
     """Merge program pid's NCH partials (chunks, or groups of chunks) into the compressed branch's output
     (stored to OCMP); its lse."""
     rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
-    m_i, l_i, acc = _merge(PM, PL, PACC, pid * NCH, NCH, HP, BLOCK_DV, PT)
+    m_i, l_i, acc = _merge(PM, PL, PACC, pid * NCH, NCH, HP, BLOCK_DV, PT, 0, BLOCK_DV)
     tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
              acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
     return _lse2(m_i, l_i)
@@ -200,7 +201,8 @@ def _select_part_kernel(
     # The group's chunks merged into one partial of the compressed branch, so that B2 merges NCG partials
     # rather than NCH (in one program, that merge was the step's slowest kernel at 64k on an H100).
     rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
-    m_g, l_g, acc_g = _merge(PM, PL, PACC, first + cg * CT, tl.minimum(CT, NCH - cg * CT), HP, BLOCK_DV, PT)
+    m_g, l_g, acc_g = _merge(PM, PL, PACC, first + cg * CT, tl.minimum(CT, NCH - cg * CT), HP, BLOCK_DV, PT, 0,
+                             BLOCK_DV)
     row = (pid * NCG + cg).to(tl.int64) * HP + rh
     tl.store(GM + row, m_g)
     tl.store(GL + row, l_g)
@@ -295,16 +297,20 @@ def _combine_kernel(
     GATE, NCMP, OCMP, PM, PL, PACC, PR, O, READS,
     sgb, sgh, sgc, sob, soh,
     G, h, NP, n_sel,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, HP: tl.constexpr, PT: tl.constexpr, NPP: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, HP: tl.constexpr, PS: tl.constexpr, PW: tl.constexpr,
+    DVT: tl.constexpr, NPP: tl.constexpr,
 ):
+    # One program per (sequence, group, DVT output columns): each merges every partial in one load per branch
+    # (one program per (sequence, group) walking them in series took 12 us a layer at 64k on an H100).
     pid = tl.program_id(0)
+    c0 = tl.program_id(1) * DVT
     b = (pid // G).to(tl.int64)
     g = pid % G
-    rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
+    rh, dv = tl.arange(0, HP), c0 + tl.arange(0, DVT)
     row_ok = rh < h
     head = (g * h + tl.where(row_ok, rh, 0)).to(tl.int64)
-    _, l_s, acc_s = _merge(PM, PL, PACC, pid * NP, n_sel, HP, BLOCK_DV, PT)
-    _, l_w, acc_w = _merge(PM, PL, PACC, pid * NP + n_sel, NP - n_sel, HP, BLOCK_DV, PT)
+    _, l_s, acc_s = _merge(PM, PL, PACC, pid * NP, n_sel, HP, BLOCK_DV, PS, c0, DVT)
+    _, l_w, acc_w = _merge(PM, PL, PACC, pid * NP + n_sel, NP - n_sel, HP, BLOCK_DV, PW, c0, DVT)
     o_sel = acc_s / tl.where(l_s > 0, l_s, 1.0)[:, None]
     o_win = acc_w / tl.where(l_w > 0, l_w, 1.0)[:, None]
     o_cmp = tl.load(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :])
@@ -314,9 +320,10 @@ def _combine_kernel(
     g_win = tl.load(gate + 2 * sgc, mask=row_ok, other=0.0).to(tl.float32)
     o = g_cmp[:, None] * o_cmp + g_sel[:, None] * o_sel + g_win[:, None] * o_win
     store_tile(O + b * sob, head * soh, dv, row_ok, o, DV)
-    pp = tl.arange(0, NPP)
-    reads = tl.sum(tl.load(PR + pid * NP + pp, mask=pp < NP, other=0))
-    tl.store(READS + pid, (tl.load(NCMP + b) + reads).to(tl.int64))
+    if c0 == 0:
+        pp = tl.arange(0, NPP)
+        reads = tl.sum(tl.load(PR + pid * NP + pp, mask=pp < NP, other=0))
+        tl.store(READS + pid, (tl.load(NCMP + b) + reads).to(tl.int64))
 
 
 def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
@@ -383,8 +390,10 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
         k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
         selected.stride(0), selected.stride(1), G, h, n_parts, scale_log2, sel_block, n_sel, window,
         **dims, HP=HP, BLOCK_N=BLOCK_N, **warps)
-    _combine_kernel[(bg,)](
+    dvt = min(16, dims["BLOCK_DV"])
+    _combine_kernel[(bg, dims["BLOCK_DV"] // dvt)](
         gates, n_cmp, ocmp, sm, sl, sacc, sreads, o, reads, gates.stride(0), gates.stride(1), gates.stride(2),
-        o.stride(0), o.stride(1), G, h, n_parts, n_sel, DV=Dv, BLOCK_DV=dims["BLOCK_DV"], HP=HP, PT=8,
+        o.stride(0), o.stride(1), G, h, n_parts, n_sel, DV=Dv, BLOCK_DV=dims["BLOCK_DV"], HP=HP,
+        PS=triton.next_power_of_2(n_sel), PW=triton.next_power_of_2(n_parts - n_sel), DVT=dvt,
         NPP=triton.next_power_of_2(n_parts), **warps)
     return o, reads

@@ -20,8 +20,9 @@ over several programs that add with float32 atomics). A one-kernel backward that
 atomically from the dK/dV kernel was measured 1.6-1.9x slower at 64k on an H100 (atomics
 contention), so dQ keeps its own kernel.
 
-Each loop runs as masked edges around a mask-free interior (keys every row of the tile
-sees), three loops without branches inside, so Triton can pipeline their loads.
+Each loop runs as masked edges around an interior (keys every row of the tile sees: no range
+mask; MODE_SEL still masks by the choices, one bit per row and step), three loops without
+branches inside, so Triton can pipeline their loads.
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok
         if MASKED:
             visible = _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK)
             s = tl.where(visible, s, float("-inf"))
+        elif MODE == 2:
+            s = tl.where(_picked(chosen, start, kidx, sel_block, ONE_BLOCK), s, float("-inf"))
         m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
     return m_i, l_i, acc
 
@@ -133,7 +136,7 @@ def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok
 def _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constexpr, block_len, block_stride, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """For a tile of query rows: each row's key range, the tile's key steps [k_start, k_end), the rows' choices
-    (MODE_SEL), and the mask-free interior [a, e) (none for MODE_SEL: every step is masked by the choices)."""
+    (MODE_SEL), and the interior [a, e) of keys every row sees (MODE_SEL masks it by the choices alone)."""
     lo, hi = _key_range(t, MODE, block_len, block_stride, window)
     t_first = (pid_m * BLOCK_M) // h
     t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
@@ -144,10 +147,9 @@ def _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constex
     k_end = span_hi + 1
     if MODE == 2:
         chosen = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
-        a, e = k_end, k_end
     else:
         chosen = row_ok.to(tl.int64)
-        a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
+    a, e = _interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
     return lo, hi, k_start, k_end, chosen, a, e
 
 
@@ -192,6 +194,8 @@ def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last
         if MASKED:
             visible = _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK)
             p = tl.where(visible, p, 0.0)
+        elif MODE == 2:
+            p = tl.where(_picked(chosen, start, kidx, sel_block, ONE_BLOCK), p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     return dq
@@ -256,6 +260,9 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h,
                 bits = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
                 visible = visible & _picked_t(bits, k_first, kidx, sel_block, ONE_BLOCK)
             pt = tl.where(visible, pt, 0.0)
+        elif MODE == 2:
+            bits = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
+            pt = tl.where(_picked_t(bits, k_first, kidx, sel_block, ONE_BLOCK), pt, 0.0)
         dv_acc += tl.dot(pt.to(do.dtype), do)
         dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk_acc += tl.dot(dst.to(q.dtype), q)
@@ -301,7 +308,7 @@ def _range_bwd_dkdv_kernel(
     else:
         t_lo = k_first
         t_hi = T - 1
-        f_lo = T
+        f_lo = k_first + BLOCK_N - 1
         f_hi = T - 1
     # This program covers rows [split_lo, split_hi) of the (token, head) rows that see the tile.
     split_lo = pid_split * rows_per_split
