@@ -308,15 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser(
         "decode", help="GPU: per-token decode latency with KV caches, NSA vs dense (CUDA graphs)",
-        description="Prefill a random prompt of each context length, then time one cached decode step (and one "
-                    "layer's decode attention alone) for the NSA model and the dense model of the same shape.",
+        description="Prefill a random prompt of each context length, then time cached decode steps replayed from "
+                    "CUDA graphs (the mean over whole cycles of d steps; NSA runs phi only when a block completes) "
+                    "and one layer's decode attention alone, for the NSA model and the dense model of the same shape.",
     )
     p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP + " (default: m7c)")
     p.add_argument("--contexts", type=_int_list, default="4096,8192,16384,32768,65536",
                    help="comma-separated context lengths")
     p.add_argument("--batches", type=_int_list, default="1,16", help="comma-separated batch sizes")
     p.add_argument("--attention", default="nsa,dense", help="comma-separated: nsa, dense")
-    p.add_argument("--steps", type=int, default=20, help="timed decode steps (median reported)")
+    p.add_argument("--steps", type=int, default=32,
+                   help="timed decode steps, rounded up to whole cycles of d tokens (mean reported)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (no CUDA graphs; for a functional check)")
     p.add_argument("--compile", action="store_true", help="torch.compile each model's decode step (fuses small kernels)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")

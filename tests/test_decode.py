@@ -110,20 +110,25 @@ class _CountMatmuls(TorchDispatchMode):
 def test_a_decode_step_fuses_the_input_maps_and_phi_into_few_matmuls(attention, gate_hidden, mm_per_layer):
     """At decode batch sizes the count of matmuls sets the time: one for the layer input's maps (queries,
     keys/values, the gate's first layer), then the gate's second layer (MLP gate), wo and the MLP's two;
-    phi's MLP is two batched matmuls over keys and values together. One more for the output head."""
+    phi's MLP is two batched matmuls over keys and values together, only on a step that completes a
+    compressed block. One more for the output head."""
     model = tiny_model(attention, gate_hidden=gate_hidden)
-    tokens = tokens_for(2, 40)
+    tokens = tokens_for(2, 41)
     cache = new_cache(model, 2, 41)
-    prefill(model, tokens, cache)
-    with _CountMatmuls() as count:
-        decode_step(model, tokens[:, -1], cache)
-    assert count.mm == mm_per_layer * 2 + 1
-    phi = [s for s in count.bmm_shapes if s in ((2, 8 * 8, 16), (2, 16, 8))]  # [2, l*D, hidden], [2, hidden, D]
-    assert phi == ([(2, 64, 16), (2, 16, 8)] * 2 if attention == "nsa" else [])
+    prefill(model, tokens[:, :39], cache)
+    for t in (39, 40):  # t = 39 completes a compressed block ((39 + 1 - l) % d == 0), t = 40 does not
+        with _CountMatmuls() as count:
+            decode_step(model, tokens[:, t], cache)
+        assert count.mm == mm_per_layer * 2 + 1
+        phi = [s for s in count.bmm_shapes if s in ((2, 8 * 8, 16), (2, 16, 8))]  # [2, l*D, hidden], [2, hidden, D]
+        assert phi == ([(2, 64, 16), (2, 16, 8)] * 2 if attention == "nsa" and t == 39 else [])
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
-def test_prompts_of_different_lengths_decode_like_each_alone(attention):
+@pytest.mark.parametrize("prefill_tokens", [None, 100], ids=["one-forward", "two-prompts-a-forward"])
+def test_prompts_of_different_lengths_decode_like_each_alone(attention, prefill_tokens, monkeypatch):
+    if prefill_tokens:  # prompts padded to 50 tokens: rows 0-1, then row 2, each prefilled into its cache rows
+        monkeypatch.setattr("nsa.inference.decode.PREFILL_TOKENS", prefill_tokens)
     model = tiny_model(attention, seed=3)
     seqs = tokens_for(3, 80, seed=2)
     lengths = torch.tensor([1, 37, 50])
@@ -377,8 +382,8 @@ def test_bench_decode_runs_on_cpu_and_reports_the_reads(tmp_path, capsys):
         assert table.startswith("0 GPU kernels per call (mean over 5)") and "aten::mm" in table
     rows = {r["attention"]: r for r in csv.DictReader(open(tmp_path / "decode.csv"))}
     assert float(rows["dense"]["speedup"]) == 1.0 and float(rows["nsa"]["step_ms"]) > 0
-    # After prefill (300 tokens) and 2 warm-free timed steps, the last step sat at t = 301 (M7C's NSA
-    # geometry): Nc = (302 - 32) // 16 + 1 = 17 compressed tokens, all 302 tokens in the 5 chosen blocks
-    # (16 allowed), and a 302-token window.
-    assert float(rows["nsa"]["reads_per_group"]) == 17 + 302 + 302
-    assert float(rows["dense"]["reads_per_group"]) == 302
+    # After prefill (300 tokens), one cycle of d = 16 warm-up steps and the 2 timed steps rounded up to a
+    # cycle, the last step sat at t = 331 (M7C's NSA geometry): Nc = (332 - 32) // 16 + 1 = 19 compressed
+    # tokens, all 332 tokens in the 6 chosen blocks (16 allowed), and a 332-token window.
+    assert float(rows["nsa"]["reads_per_group"]) == 19 + 332 + 332
+    assert float(rows["dense"]["reads_per_group"]) == 332

@@ -1,8 +1,9 @@
 """`nsa bench decode`: per-token decode latency with the KV caches, NSA against dense, in one run.
 
 Each row builds the model (random weights, bf16 on the GPU), prefills a random prompt of the
-given context length, then times one decode step captured in a CUDA graph (so both models pay
-kernel time, not Python dispatch). Also timed: one layer's decode attention alone (NSA's
+given context length, then times decode steps replayed from CUDA graphs (GraphedDecoder: both
+models pay kernel time, not Python dispatch): the mean over whole cycles of d steps, as NSA runs
+phi only on the steps that complete a compressed block. Also timed: one layer's decode attention alone (NSA's
 compressed + selected + window branches against SDPA over the dense cache), where NSA's smaller
 reads show directly; the whole-model step also reads every weight once (~250 MB for M7C).
 """
@@ -21,7 +22,8 @@ from ..config import load_config
 from ..errors import UserError
 from ..inference.attention import decode_attention, dense_decode_attention
 from ..inference.cache import new_cache
-from ..inference.decode import compiled_decode_step, decode_step, prefill
+from ..inference.decode import prefill
+from ..inference.graphed import GraphedDecoder
 from ..model import Transformer
 from .common import environment, format_table, profile_to_file, write_results
 
@@ -46,7 +48,15 @@ def _graphed(fn: Callable[[], object], use_graph: bool) -> Callable[[], object]:
     return graph.replay
 
 
+def _mean_ms(fn: Callable[[], object], reps: int, cuda: bool) -> float:
+    return statistics.mean(_times_ms(fn, reps, cuda))
+
+
 def _median_ms(fn: Callable[[], object], reps: int, cuda: bool) -> float:
+    return statistics.median(_times_ms(fn, reps, cuda))
+
+
+def _times_ms(fn: Callable[[], object], reps: int, cuda: bool) -> list[float]:
     times = []
     for _ in range(reps):
         if cuda:
@@ -60,7 +70,7 @@ def _median_ms(fn: Callable[[], object], reps: int, cuda: bool) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def _layer_attention_ms(model: Transformer, cache, batch: int, reps: int, cuda: bool) -> float:
@@ -87,14 +97,18 @@ def measure(cfg, attention: str, context: int, batch: int, steps: int, device: t
     torch._dynamo.reset()  # a fresh compile per model, not guard failures piling up against the cache limit
     torch.manual_seed(0)
     model = Transformer(model_cfg).to(device=device, dtype=dtype).eval()
-    # Room for the timed steps, the graph's warm-up and capture, and the profiled steps.
-    cache = new_cache(model, batch, context + steps + 4 + PROFILE_STEPS)
+    # Whole cycles of d steps, so that steps with and without an emitted block count in their proportion.
+    cycle = cfg.model.nsa.block_stride
+    steps = -(-steps // cycle) * cycle
+    cache = new_cache(model, batch, context + cycle + steps + PROFILE_STEPS)
     prompt = torch.randint(0, model_cfg.vocab_size, (batch, context), device=device)
     prefill(model, prompt, cache)
     token = torch.zeros(batch, dtype=torch.long, device=device)
     cuda = device.type == "cuda"
-    step = compiled_decode_step(model) if compile else lambda tok, c: decode_step(model, tok, c)
-    step_ms = _median_ms(_graphed(lambda: step(token, cache), cuda), steps, cuda)
+    decoder = GraphedDecoder(model, cache, compile=compile)
+    for _ in range(cycle):  # captures both variants (with and without the compressed emission)
+        decoder(token)
+    step_ms = _mean_ms(lambda: decoder(token), steps, cuda)
     reads = cache.layers[0].reads.float().mean().item() if hasattr(cache.layers[0], "reads") else None
     attn_ms = _layer_attention_ms(model, cache, batch, steps, cuda)
     row = {"attention": attention, "compiled": compile, "context": context, "batch": batch, "step_ms": step_ms,
@@ -102,7 +116,7 @@ def measure(cfg, attention: str, context: int, batch: int, steps: int, device: t
     if profile_dir:
         # Outside a CUDA graph, so the profiler sees each kernel of the step (a replay is one opaque launch).
         name = f"profile_decode_{attention}{'_compiled' if compile else ''}_{context}_b{batch}.txt"
-        row["kernels_per_step"] = profile_to_file(lambda: step(token, cache), Path(profile_dir) / name,
+        row["kernels_per_step"] = profile_to_file(lambda: decoder.step_eagerly(token), Path(profile_dir) / name,
                                                   repeats=PROFILE_STEPS)
     del model, cache
     if cuda:

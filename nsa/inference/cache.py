@@ -19,7 +19,7 @@ stale values (e.g. right-padding from a ragged prefill); every reader masks by p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -47,6 +47,12 @@ class NSALayerCache:
     block_len: int
     block_stride: int
     fused: FusedWeights
+
+    def rows(self, start: int, stop: int) -> NSALayerCache:
+        """The same cache restricted to sequences start..stop-1 (views: writes land in this cache)."""
+        r = slice(start, stop)
+        return replace(self, k=self.k[:, r], v=self.v[:, r], k_cmp=self.k_cmp[r], v_cmp=self.v_cmp[r],
+                       n_cmp=self.n_cmp[r], selected=self.selected[r], reads=self.reads[r])
 
     def keys(self, branch: str) -> torch.Tensor:
         """Raw keys [B,L,G,Dk] the branch reads."""
@@ -103,6 +109,11 @@ class DenseLayerCache:
     reads: torch.Tensor
     fused: FusedWeights
 
+    def rows(self, start: int, stop: int) -> DenseLayerCache:
+        """The same cache restricted to sequences start..stop-1 (views: writes land in this cache)."""
+        r = slice(start, stop)
+        return replace(self, k=self.k[r], v=self.v[r], reads=self.reads[r])
+
     def fill(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[:, : k.shape[1]] = k
         self.v[:, : v.shape[1]] = v
@@ -122,6 +133,16 @@ class DecodeCache:
     max_len: int
     longest: int = 0
     """max(lengths), tracked on the host so that overflow checks need no device sync."""
+    host_lengths: list[int] = field(default_factory=list)
+    """lengths, tracked on the host: a step can skip phi when no sequence completes a compressed block."""
+
+    def emission_due(self) -> bool:
+        """Whether the next token of any sequence completes a compressed block (t + 1 >= l, (t + 1 - l) % d == 0)."""
+        for geometry in {(c.block_len, c.block_stride) for c in self.layers if isinstance(c, NSALayerCache)}:
+            block_len, stride = geometry
+            if any(t + 1 >= block_len and (t + 1 - block_len) % stride == 0 for t in self.host_lengths):
+                return True
+        return False
 
     @property
     def batch_size(self) -> int:

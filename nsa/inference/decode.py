@@ -37,10 +37,11 @@ def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, lengths)
     return attn.wo(o.reshape(b, t, -1))
 
 
-def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions) -> torch.Tensor:
+def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions, emit: bool = True) -> torch.Tensor:
     p = attn.project_from(*input_projections(cache.fused, x), cos, sin)
     cache.write(p, positions)
-    cache.emit(positions)  # before attending: a block ending at t is visible to t
+    if emit:  # skipped (exactly: it would change nothing) when the host knows no block is due
+        cache.emit(positions)  # before attending: a block ending at t is visible to t
     hyper = _hyper(attn)
     o, reads = decode_attention(p["q"][:, 0], p["gates"][:, 0].to(p["q"].dtype), cache, positions,
                                 sel_block=hyper["sel_block"], n_sel=hyper["n_sel"], window=hyper["window"],
@@ -68,7 +69,7 @@ def _dense_prefill(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, lengths
     return attn.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 
-def _dense_step(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, positions) -> torch.Tensor:
+def _dense_step(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, positions, emit: bool = True) -> torch.Tensor:
     q, k, v = _dense_qkv(attn, x, cos, sin, cache.fused)
     cache.write(k, v, positions)
     o, reads = dense_decode_attention(q[:, 0], cache, positions)
@@ -76,8 +77,13 @@ def _dense_step(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, positions)
     return attn.wo(o.flatten(1))[:, None]
 
 
-def _prefill_blocks(model: nn.Module, x, cos, sin, cache: DecodeCache, lengths) -> torch.Tensor:
-    for block, layer_cache in zip(model.layers, cache.layers):
+PREFILL_TOKENS = 131072
+"""Most prompt tokens (rows x padded length) per prefill forward: a larger batch goes a few prompts at a
+time (16 prompts of 128k tokens in one forward would ask for ~50 GB of selected-branch buffers)."""
+
+
+def _prefill_blocks(model: nn.Module, x, cos, sin, layers: list, lengths) -> torch.Tensor:
+    for block, layer_cache in zip(model.layers, layers):
         fill = _nsa_prefill if isinstance(block.attn, NSAAttention) else _dense_prefill
         x = x + fill(block.attn, block.attn_norm(x), cos, sin, layer_cache, lengths)
         x = x + block.mlp(block.mlp_norm(x))
@@ -100,30 +106,51 @@ def prefill(model: nn.Module, tokens: torch.Tensor, cache: DecodeCache,
     if lengths.min() < 1 or lengths.max() > t:
         raise ValueError(f"prompt lengths must lie in 1..{t}, got {lengths.tolist()}")
     cos, sin = model.rope(torch.arange(t, device=tokens.device))
-    x = _prefill_blocks(model, model.tok_emb(tokens), cos, sin, cache, lengths)
+    per_forward = max(1, PREFILL_TOKENS // t)
+    logits = []
+    for a in range(0, b, per_forward):
+        z = min(b, a + per_forward)
+        x = _prefill_blocks(model, model.tok_emb(tokens[a:z]), cos, sin, [c.rows(a, z) for c in cache.layers],
+                            lengths[a:z])
+        logits.append(model.lm_head(model.norm(x[torch.arange(z - a, device=x.device), lengths[a:z] - 1])))
     cache.lengths.copy_(lengths)
-    cache.longest = int(lengths.max())
-    last = x[torch.arange(b, device=x.device), lengths - 1]
-    return model.lm_head(model.norm(last))
+    cache.host_lengths = lengths.tolist()
+    cache.longest = max(cache.host_lengths)
+    return torch.cat(logits)
 
 
-def _step_logits(model: nn.Module, token: torch.Tensor, layers: list, positions: torch.Tensor) -> torch.Tensor:
-    """The device work of one decode step (no host state), so that it can be compiled as a whole."""
+def _step_logits(model: nn.Module, token: torch.Tensor, layers: list, positions: torch.Tensor,
+                 emit: bool = True) -> torch.Tensor:
+    """The device work of one decode step (no host state), so that it can be compiled as a whole.
+
+    emit=False leaves out the compressed emission (phi and its cache write): valid when no sequence's
+    token completes a block (DecodeCache.emission_due), i.e. d - 1 steps in d for prompts of equal length.
+    """
     cos, sin = model.rope(positions[:, None])  # [B,1,1,D/2]: each sequence at its own position
     x = model.tok_emb(token.view(-1, 1))
     for block, layer_cache in zip(model.layers, layers):
         step = _nsa_step if isinstance(block.attn, NSAAttention) else _dense_step
-        x = x + step(block.attn, block.attn_norm(x), cos, sin, layer_cache, positions)
+        x = x + step(block.attn, block.attn_norm(x), cos, sin, layer_cache, positions, emit)
         x = x + block.mlp(block.mlp_norm(x))
     return model.lm_head(model.norm(x[:, 0]))
 
 
-def _advance(cache: DecodeCache, step_logits: Callable, model: nn.Module, token: torch.Tensor) -> torch.Tensor:
+def check_room(cache: DecodeCache) -> None:
     if cache.longest >= cache.max_len:
         raise ValueError(f"the decode cache is full ({cache.max_len} tokens); allocate a larger max_len")
-    logits = step_logits(model, token, cache.layers, cache.lengths)
-    cache.lengths += 1
+
+
+def advance_host(cache: DecodeCache) -> None:
+    """The host's copy of a step's progress (the device's is cache.lengths)."""
+    cache.host_lengths = [n + 1 for n in cache.host_lengths]
     cache.longest += 1
+
+
+def _advance(cache: DecodeCache, step_logits: Callable, model: nn.Module, token: torch.Tensor) -> torch.Tensor:
+    check_room(cache)
+    logits = step_logits(model, token, cache.layers, cache.lengths, cache.emission_due())
+    cache.lengths += 1
+    advance_host(cache)
     return logits
 
 
@@ -131,8 +158,7 @@ def _advance(cache: DecodeCache, step_logits: Callable, model: nn.Module, token:
 def decode_step(model: nn.Module, token: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
     """Append token [B] (one per sequence) at each sequence's next position; return its logits [B,V].
 
-    Captured in a CUDA graph, a replay advances the cache on the device only: the host-side
-    overflow check does not run, so keep replays within the cache's max_len.
+    On CUDA, GraphedDecoder (nsa.inference.graphed) runs the same step as one CUDA graph replay.
     """
     return _advance(cache, _step_logits, model, token)
 

@@ -13,7 +13,8 @@ from torch import nn
 
 from ..errors import UserError
 from .cache import new_cache
-from .decode import decode_step, prefill
+from .decode import prefill
+from .graphed import GraphedDecoder
 from .sampler import check_sampling, next_token
 
 
@@ -100,6 +101,7 @@ def generate(
     try:
         cache = new_cache(model, tokens.shape[0], tokens.shape[1] + max(max_new_tokens - 1, 0))
         logits = prefill(model, tokens, cache, lengths)
+        decoder = GraphedDecoder(model, cache)  # CUDA graphs on a GPU: one launch a token
         out: list[list[int]] = [[] for _ in range(tokens.shape[0])]
         done = [False] * tokens.shape[0]
         for step in range(max_new_tokens):
@@ -112,7 +114,7 @@ def generate(
                     done[row] = tok == stop_id
             if all(done) or step + 1 == max_new_tokens:
                 break
-            logits = decode_step(model, token, cache)
+            logits = decoder(token)
     finally:
         model.train(was_training)
     return out
