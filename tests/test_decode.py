@@ -387,3 +387,14 @@ def test_bench_decode_runs_on_cpu_and_reports_the_reads(tmp_path, capsys):
     # tokens, all 332 tokens in the 6 chosen blocks (16 allowed), and a 332-token window.
     assert float(rows["nsa"]["reads_per_group"]) == 19 + 332 + 332
     assert float(rows["dense"]["reads_per_group"]) == 332
+
+
+def test_decoding_from_an_empty_cache_without_prefill_equals_the_full_forward():
+    # The host's lengths start at 0 with the cache, so the steps that complete a block still emit it.
+    model = tiny_model(seed=6)
+    tokens = tokens_for(2, 20, seed=7)
+    cache = new_cache(model, 2, 20)
+    got = torch.stack([decode_step(model, tokens[:, t], cache) for t in range(20)], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(tokens), rtol=1e-10, atol=1e-10)
+    assert cache.layers[0].n_cmp.tolist() == [(20 - 8) // 4 + 1] * 2

@@ -205,4 +205,5 @@ def new_cache(model: nn.Module, batch_size: int, max_len: int, *, dtype: torch.d
                 reads=torch.zeros(batch_size, attn.n_kv_heads, dtype=torch.long, device=device),
                 fused=fuse((attn.wq, attn.wkv)),
             ))
-    return DecodeCache(layers, torch.zeros(batch_size, dtype=torch.long, device=device), max_len)
+    return DecodeCache(layers, torch.zeros(batch_size, dtype=torch.long, device=device), max_len,
+                       host_lengths=[0] * batch_size)
