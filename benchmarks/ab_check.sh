@@ -14,8 +14,8 @@ fi
 before=$1; shift 2
 OUT=${OUT:-/tmp/nsa-ab-check}
 source benchmarks/gpu_env.sh
-mapfile -t files < <(cd "$before" && find . -type f -name '*.py' | sed 's|^\./||')
-if [[ ${#files[@]} -eq 0 ]]; then echo "ab_check: no .py files under $before" >&2; exit 2; fi
+mapfile -t files < <(cd "$before" && find . -type f | sed 's|^\./||')
+if [[ ${#files[@]} -eq 0 ]]; then echo "ab_check: no files under $before" >&2; exit 2; fi
 for f in "${files[@]}"; do
   [[ -f $f ]] || { echo "ab_check: $before/$f has no counterpart $f in the tree" >&2; exit 2; }
 done

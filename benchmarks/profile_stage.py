@@ -7,6 +7,7 @@ wall time and the host's launch time per step) and writes the PyTorch profiler's
 DIR/prof_<shape>_<T>_b<batch>.txt, e.g. `python3 benchmarks/profile_stage.py m7c 2048 16 --table out`.
 """
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -17,10 +18,13 @@ from nsa.bench.attention import HP, SHAPES, _fwd_bwd, _nsa, make_inputs
 from nsa.bench.common import profile_to_file, time_cuda
 from nsa.ops import nsa_attention
 
-args = [a for a in sys.argv[1:] if a != "--table"]
-table_dir = args.pop() if "--table" in sys.argv else None
-shape, T = args[0], int(args[1])
-batch = int(args[2]) if len(args) > 2 else 1
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("shape", choices=sorted(SHAPES))
+parser.add_argument("T", type=int)
+parser.add_argument("batch", type=int, nargs="?", default=1)
+parser.add_argument("--table", metavar="DIR", help="time and write the profiler's kernel table here")
+ns = parser.parse_args()
+shape, T, batch, table_dir = ns.shape, ns.T, ns.batch, ns.table
 H, G, Dk, Dv = SHAPES[shape]
 ins = make_inputs(T, H, G, Dk, Dv, batch=batch)
 if table_dir is None:

@@ -131,10 +131,13 @@ class DecodeCache:
     layers: list[NSALayerCache | DenseLayerCache]
     lengths: torch.Tensor
     max_len: int
-    longest: int = 0
-    """max(lengths), tracked on the host so that overflow checks need no device sync."""
     host_lengths: list[int] = field(default_factory=list)
-    """lengths, tracked on the host: a step can skip phi when no sequence completes a compressed block."""
+    """lengths, tracked on the host: overflow checks need no device sync, and a step can skip phi when no
+    sequence completes a compressed block."""
+
+    @property
+    def longest(self) -> int:
+        return max(self.host_lengths, default=0)
 
     def emission_due(self) -> bool:
         """Whether the next token of any sequence completes a compressed block (t + 1 >= l, (t + 1 - l) % d == 0)."""

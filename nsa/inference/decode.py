@@ -115,7 +115,6 @@ def prefill(model: nn.Module, tokens: torch.Tensor, cache: DecodeCache,
         logits.append(model.lm_head(model.norm(x[torch.arange(z - a, device=x.device), lengths[a:z] - 1])))
     cache.lengths.copy_(lengths)
     cache.host_lengths = lengths.tolist()
-    cache.longest = max(cache.host_lengths)
     return torch.cat(logits)
 
 
@@ -135,22 +134,14 @@ def _step_logits(model: nn.Module, token: torch.Tensor, layers: list, positions:
     return model.lm_head(model.norm(x[:, 0]))
 
 
-def check_room(cache: DecodeCache) -> None:
+def advance(cache: DecodeCache, run: Callable[[bool], torch.Tensor]) -> torch.Tensor:
+    """One decode step: run(emit) does the device work (emit: whether some sequence completes a block, see
+    _step_logits) and returns the logits; then every position moves on, on the device and on the host."""
     if cache.longest >= cache.max_len:
         raise ValueError(f"the decode cache is full ({cache.max_len} tokens); allocate a larger max_len")
-
-
-def advance_host(cache: DecodeCache) -> None:
-    """The host's copy of a step's progress (the device's is cache.lengths)."""
-    cache.host_lengths = [n + 1 for n in cache.host_lengths]
-    cache.longest += 1
-
-
-def _advance(cache: DecodeCache, step_logits: Callable, model: nn.Module, token: torch.Tensor) -> torch.Tensor:
-    check_room(cache)
-    logits = step_logits(model, token, cache.layers, cache.lengths, cache.emission_due())
+    logits = run(cache.emission_due())
     cache.lengths += 1
-    advance_host(cache)
+    cache.host_lengths = [n + 1 for n in cache.host_lengths]
     return logits
 
 
@@ -160,7 +151,7 @@ def decode_step(model: nn.Module, token: torch.Tensor, cache: DecodeCache) -> to
 
     On CUDA, GraphedDecoder (nsa.inference.graphed) runs the same step as one CUDA graph replay.
     """
-    return _advance(cache, _step_logits, model, token)
+    return advance(cache, lambda emit: _step_logits(model, token, cache.layers, cache.lengths, emit))
 
 
 def compiled_decode_step(model: nn.Module) -> Callable[[torch.Tensor, DecodeCache], torch.Tensor]:
@@ -171,6 +162,6 @@ def compiled_decode_step(model: nn.Module) -> Callable[[torch.Tensor, DecodeCach
 
     @torch.no_grad()
     def step(token: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
-        return _advance(cache, body, model, token)
+        return advance(cache, lambda emit: body(model, token, cache.layers, cache.lengths, emit))
 
     return step

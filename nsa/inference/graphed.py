@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .cache import DecodeCache, NSALayerCache
-from .decode import _step_logits, advance_host, check_room
+from .decode import _step_logits, advance
 
 
 class GraphedDecoder:
@@ -40,8 +40,16 @@ class GraphedDecoder:
     def _run(self, emit: bool) -> torch.Tensor:
         return self.body(self.model, self.token, self.cache.layers, self.cache.lengths, emit)
 
+    def _replay(self, emit: bool) -> torch.Tensor:
+        if emit not in self.graphs:
+            self.graphs[emit] = self._capture(emit)
+        graph, logits = self.graphs[emit]
+        graph.replay()
+        return logits.clone()
+
     def _capture(self, emit: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        counts = [c.n_cmp.clone() for c in self.cache.layers if isinstance(c, NSALayerCache)]
+        nsa_layers = [c for c in self.cache.layers if isinstance(c, NSALayerCache)]
+        counts = [c.n_cmp.clone() for c in nsa_layers]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -51,7 +59,7 @@ class GraphedDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self._run(emit)
-        for layer, count in zip((c for c in self.cache.layers if isinstance(c, NSALayerCache)), counts):
+        for layer, count in zip(nsa_layers, counts):
             layer.n_cmp.copy_(count)  # the warm-up steps' emissions must not count twice
         return graph, logits
 
@@ -66,17 +74,5 @@ class GraphedDecoder:
         return self._step(token, False)
 
     def _step(self, token: torch.Tensor, replay: bool) -> torch.Tensor:
-        check_room(self.cache)
-        emit = self.cache.emission_due()
         self.token.copy_(token)
-        if replay:
-            if emit not in self.graphs:
-                self.graphs[emit] = self._capture(emit)
-            graph, logits = self.graphs[emit]
-            graph.replay()
-            logits = logits.clone()
-        else:
-            logits = self._run(emit)
-        self.cache.lengths += 1
-        advance_host(self.cache)
-        return logits
+        return advance(self.cache, self._replay if replay else self._run)
