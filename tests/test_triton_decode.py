@@ -129,7 +129,7 @@ def test_the_graphed_decoder_steps_like_the_full_forward(monkeypatch):
         return decode_attention(*args, **{**kwargs, "backend": "triton"})
 
     monkeypatch.setattr(decode_module, "decode_attention", triton_decode_attention)
-    model = model_for(4, 2)
+    model = model_for(4, 2, backend="auto")  # the reference backend would keep the decoder off graphs
     tokens = torch.randint(0, 53, (2, 34), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     full = model(tokens)
     lengths = torch.tensor([13, 22], device=DEVICE)

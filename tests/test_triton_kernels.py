@@ -101,6 +101,10 @@ def test_triton_nsa_in_half_precision(sel_path):
         # l = 4 l' with free slots: compressed tokens not yet visible reach unforced blocks, so the
         # visibility mask decides the ranking (with l <= l' they only touch the forced blocks)
         (150, 4, 2, 16, 4, 4, 8),
+        # l <= l' with l'/d a power of two (M7C's 32/16/64 scaled down): the per-rank weights and the shift
+        # into the next block, across chunks; then l = l', where a token's second half spills over
+        (300, 6, 1, 8, 4, 16, 5),
+        (200, 4, 2, 8, 4, 8, 4),
     ],
 )
 def test_selection_kernel_matches_reference(T, H, G, l, d, lp, n):

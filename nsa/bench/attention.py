@@ -94,9 +94,9 @@ def _fla(ins):
     return fwd, [qf, kf, vf]
 
 
-def _timed(fn) -> float | None:
+def _timed(fn, queued: bool = False) -> float | None:
     try:
-        return time_cuda(fn)
+        return time_cuda(fn, queued=queued)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None
@@ -130,7 +130,8 @@ def compare(shape: str, T: int, backward: bool, use_fla: bool, batch: int = 1) -
 
 
 def components(shape: str, T: int, batch: int = 1) -> list[dict]:
-    """Milliseconds of every stage of the NSA forward and backward at one length."""
+    """GPU milliseconds of every stage of the NSA forward and backward at one length (calls queued back to back,
+    so the host's launch time is hidden as it is inside a training step)."""
     from ..ops.triton.gating import gate_grads
     from ..ops.triton.range_attention import MODE_CMP, MODE_WIN, range_attention_bwd, range_attention_fwd
     from ..ops.triton.selected_attention import build_inverse_index, selected_backward, selected_forward
@@ -163,7 +164,7 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
         "bwd: compressed": lambda: range_attention_bwd(q, kc, vc, do, gates[..., 0], lse_cmp, delta[0], dq, MODE_CMP,
                                                        True, scale, l, d, w),
     }
-    rows = [{"shape": shape, "T": T, "stage": name, "ms": _timed(fn)} for name, fn in stages.items()]
+    rows = [{"shape": shape, "T": T, "stage": name, "ms": _timed(fn, queued=True)} for name, fn in stages.items()]
     torch.cuda.empty_cache()
     return rows
 
@@ -173,20 +174,27 @@ SWEEP = {
     "range_block_n": [128],
     "range_warps": [8],
     "range_stages": [3],
+    "range_block_m+range_block_n+range_warps": [(128, 128, 8), (64, 32, 4)],
+    "dq_block_m+dq_block_n+dq_warps": [(128, 32, 4), (64, 64, 4), (128, 128, 8), (128, 64, 8)],
     "dkdv_block_m": [32, 64],
     "dkdv_block_m_wide": [32],
     "dkdv_block_n": [128],
     "dkdv_warps": [8],
+    "dkdv_stages": [3],
+    "dkdv_block_n+dkdv_block_m+dkdv_warps+dkdv_stages": [(128, 64, 8, 2), (128, 32, 4, 2), (128, 32, 4, 3),
+                                                          (128, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 3)],
     "tiled_max_blocks": [0, 64],
     "tiled_max_blocks_large_groups": [0, 32],
     "select_block_t": [8, 32],
 }
-"""Values tried for each launch parameter (the defaults are measured too)."""
+"""Values tried for each launch parameter, or for several at once (names joined by '+', value tuples); the
+defaults are measured too."""
 
 
 def sweep(shape: str, T: int, batch: int = 1, params: list[str] | None = None) -> list[dict]:
-    """Forward+backward time as each launch parameter (all of SWEEP, or `params`) varies alone around the
-    defaults."""
+    """Forward+backward time as each launch parameter (all of SWEEP, or `params`) varies around the defaults:
+    one call at a time (fwd_ms, fwdbwd_ms), queued back to back (gpu_fwdbwd_ms, the GPU's share), and each
+    stage's GPU time (components)."""
     from ..ops.triton import tuning
 
     H, G, Dk, Dv = SHAPES[shape]
@@ -197,28 +205,34 @@ def sweep(shape: str, T: int, batch: int = 1, params: list[str] | None = None) -
     def measure() -> dict:
         with torch.no_grad():
             fwd = _timed(forward)
-        return {"fwd_ms": fwd, "fwdbwd_ms": _timed(step)}
+        stages = {r["stage"]: r["ms"] for r in components(shape, T, batch)}
+        return {"fwd_ms": fwd, "fwdbwd_ms": _timed(step), "gpu_fwdbwd_ms": _timed(step, queued=True)} | stages
 
     base = dataclasses.replace(tuning.TUNING)
     rows = [{"shape": shape, "T": T, "param": "defaults", "value": ""} | measure()]
     try:
-        for field, values in SWEEP.items():
-            if params and field not in params:
+        for key, values in SWEEP.items():
+            if params and key not in params:
                 continue
+            fields = key.split("+")
             for value in values:
-                for f in dataclasses.fields(base):
-                    setattr(tuning.TUNING, f.name, getattr(base, f.name))
-                setattr(tuning.TUNING, field, value)
+                setting = dict(zip(fields, value if len(fields) > 1 else (value,)))
+                _set_tuning(tuning.TUNING, dataclasses.replace(base, **setting))
                 try:
                     times = measure()
                 except Exception as e:  # a variant that does not compile (e.g. out of shared memory)
                     times = {}
-                    print(f"  {field}={value}: {type(e).__name__}")
-                rows.append({"shape": shape, "T": T, "param": field, "value": value} | times)
+                    print(f"  {key}={value}: {type(e).__name__}")
+                rows.append({"shape": shape, "T": T, "param": key, "value": str(value)} | times)
     finally:
-        for f in dataclasses.fields(base):
-            setattr(tuning.TUNING, f.name, getattr(base, f.name))
+        _set_tuning(tuning.TUNING, base)
     return rows
+
+
+def _set_tuning(live, values) -> None:
+    """Copy every launch parameter of `values` into the live Tuning object (the kernels' modules hold it)."""
+    for f in dataclasses.fields(values):
+        setattr(live, f.name, getattr(values, f.name))
 
 
 def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = True, use_fla: bool = True,
@@ -252,7 +266,7 @@ def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = Tr
         paths += write_results(parts, out_dir, f"attention_components_{T}", meta)
     if sweep_at:
         tuned = [r for T in sweep_at for shape in shapes for r in sweep(shape, T, batch, sweep_params)]
-        print("\n" + format_table(tuned, ["shape", "T", "param", "value", "fwd_ms", "fwdbwd_ms"]))
+        print("\n" + format_table(tuned, list(dict.fromkeys(k for r in tuned for k in r))))
         paths += write_results(tuned, out_dir, "attention_sweep", meta)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return rows

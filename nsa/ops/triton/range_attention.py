@@ -348,14 +348,17 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def _blocks(q: torch.Tensor, dk: int, dv: int, dkdv: bool = False) -> dict:
-    """Tile sizes of the forward/dQ kernels (query rows x key step), or with `dkdv` of the dK/dV kernel."""
+def _blocks(q: torch.Tensor, dk: int, dv: int, kernel: str = "fwd") -> dict:
+    """Tile sizes of the forward, dQ or dK/dV kernel (query rows x key step; dK/dV: row step x keys)."""
     if q.device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
     wide = max(dk, dv) > 64
-    if dkdv:
+    if kernel == "dkdv":
         return dict(BLOCK_M=TUNING.dkdv_block_m_wide if wide else TUNING.dkdv_block_m, BLOCK_N=TUNING.dkdv_block_n,
-                    num_warps=TUNING.dkdv_warps, num_stages=TUNING.range_stages)
+                    num_warps=TUNING.dkdv_warps, num_stages=TUNING.dkdv_stages)
+    if kernel == "dq" and not wide:
+        return dict(BLOCK_M=TUNING.dq_block_m, BLOCK_N=TUNING.dq_block_n, num_warps=TUNING.dq_warps,
+                    num_stages=TUNING.range_stages)
     return dict(BLOCK_M=TUNING.range_block_m_wide if wide else TUNING.range_block_m, BLOCK_N=TUNING.range_block_n,
                 num_warps=TUNING.range_warps, num_stages=TUNING.range_stages)
 
@@ -422,7 +425,6 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
     h = H // G
     idx, idx_strides, sel = _selection_args(bits, q, sel_block)
-    cfg = _blocks(q, Dk, Dv)
     common = (T, NK, G, h, scale * LOG2E, scale, block_len, block_stride, window, sel)
     strides = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -430,11 +432,12 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
         gate.stride(0), gate.stride(1), gate.stride(2), lse.stride(0), lse.stride(1),
     )
     dims = dict(MODE=mode, **head_dims(Dk, Dv))
+    cfg = _blocks(q, Dk, Dv, "dq")
     _range_bwd_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         q, k, v, do, gate, lse, delta, dq, idx, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *idx_strides,
         *common, ACCUMULATE=accumulate, ONE_BLOCK=sel % cfg["BLOCK_N"] == 0, **dims, **cfg,
     )
-    cfg = _blocks(q, Dk, Dv, dkdv=True)
+    cfg = _blocks(q, Dk, Dv, "dkdv")
     key_tiles = triton.cdiv(NK, cfg["BLOCK_N"])
     if mode == MODE_WIN:
         splits, rows_per_split = 1, T * h

@@ -46,7 +46,7 @@ def _select_kernel(
     sqb, sqt, sqh, skb, skt, skg, slb, slt, sib, sit, sig,
     T, NC, G, h, scale_log2, block_len, block_stride, sel_block, n_sel, chunk_tokens,
     DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_T: tl.constexpr, HP: tl.constexpr,
-    K: tl.constexpr, C: tl.constexpr,
+    K: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bg = tl.program_id(1)
@@ -72,10 +72,18 @@ def _select_kernel(
     jj = tl.arange(0, K)
     ci_local = tl.arange(0, C)
     # Overlap weights are the same for every chunk (a chunk starts at a multiple of l'), so they are built once.
-    starts = (ci_local * block_stride)[:, None]
-    in_chunk = (ci_local < chunk_tokens)[:, None]
-    w_cur = tl.where(in_chunk, _overlap(starts, jj[None, :], block_len, sel_block, block_stride), 0.0)
-    w_nxt = tl.where(in_chunk, _overlap(starts, (K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
+    if R > 0:
+        # R compressed tokens start in each selection block and none reaches past the next one (l <= l'):
+        # a token's weight depends only on its rank r in its block, into that block and into the next.
+        rr = tl.arange(0, R) * block_stride
+        w_cur = _overlap(rr, 0, block_len, sel_block, block_stride)[None, None, :]
+        w_nxt = _overlap(rr, 1, block_len, sel_block, block_stride)[None, None, :]
+        shift = (jj[:, None] + 1 == jj[None, :]).to(tl.float32)  # x @ shift moves column j to j + 1
+    else:
+        starts = (ci_local * block_stride)[:, None]
+        in_chunk = (ci_local < chunk_tokens)[:, None]
+        w_cur = tl.where(in_chunk, _overlap(starts, jj[None, :], block_len, sel_block, block_stride), 0.0)
+        w_nxt = tl.where(in_chunk, _overlap(starts, (K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
     best = tl.full([BLOCK_T, K], -1, tl.int64)
     carry = tl.zeros([BLOCK_T, K], tl.float32)
     kbase = KC + b * skb + g * skg
@@ -90,8 +98,14 @@ def _select_kernel(
         p = tl.exp2(tl.where(visible, s - lse2[:, None], float("-inf")))
         p_tok = tl.sum(tl.reshape(p, [BLOCK_T, HP, C]), axis=1)  # group sum over heads
         # Exact fp32 products: the ranking must match the reference's, ties included.
-        score = tl.dot(p_tok, w_cur, input_precision="ieee") + carry
-        carry = tl.dot(p_tok, w_nxt, input_precision="ieee")
+        if R > 0:
+            p_blk = tl.reshape(p_tok, [BLOCK_T, K, R])
+            spill = tl.sum(p_blk * w_nxt, axis=2)  # what block j's tokens put into block j + 1
+            score = tl.sum(p_blk * w_cur, axis=2) + tl.dot(spill, shift, input_precision="ieee") + carry
+            carry = tl.where(jj[None, :] == 0, tl.sum(tl.where(jj[None, :] == K - 1, spill, 0.0), 1)[:, None], 0.0)
+        else:
+            score = tl.dot(p_tok, w_cur, input_precision="ieee") + carry
+            carry = tl.dot(p_tok, w_nxt, input_precision="ieee")
 
         j = (j0 + jj)[None, :].to(tl.int64)
         candidate = j <= j_t[:, None]
@@ -119,6 +133,9 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
     # The running list must hold n and each chunk must contain every block a compressed token reaches into.
     K = max(16, triton.next_power_of_2(n_sel), triton.next_power_of_2(-(-block_len // sel_block) + 1))
     chunk_tokens = K * sel_block // block_stride
+    # Tokens per selection block when Eq. 9 reduces to two weights per rank in the block (0: general overlaps).
+    per_block = sel_block // block_stride
+    stencil = block_len <= sel_block and sel_block % block_stride == 0 and per_block & (per_block - 1) == 0
     idx = torch.empty(B, T, G, n_sel, device=q.device, dtype=torch.int64)
     hp = triton.next_power_of_2(h)
     on_gpu = q.device.type == "cuda"
@@ -130,7 +147,7 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
         lse_cmp.stride(0), lse_cmp.stride(1), idx.stride(0), idx.stride(1), idx.stride(2),
         T, NC, G, h, scale * LOG2E, block_len, block_stride, sel_block, n_sel, chunk_tokens,
         DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
-        HP=hp, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)),
+        HP=hp, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), R=per_block if stencil else 0,
         num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
         num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
     )

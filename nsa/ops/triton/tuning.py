@@ -21,6 +21,11 @@ class Tuning:
     """Keys per inner step of those kernels (measured as above: 64 beats 32 by 1.4x at D=128, 1.1x at D=64)."""
     range_warps: int = 4
     range_stages: int = 2
+    dq_block_m: int = 128
+    """(token, head) rows per program of their dQ kernel, head dims up to 64 (range_block_m_wide above)."""
+    dq_block_n: int = 64
+    """Keys per inner step of the dQ kernel."""
+    dq_warps: int = 4
     dkdv_block_m: int = 128
     """(token, head) rows per inner step of their dK/dV kernel, head dims up to 64."""
     dkdv_block_m_wide: int = 64
@@ -28,6 +33,7 @@ class Tuning:
     dkdv_block_n: int = 64
     """Keys per program of the dK/dV kernel."""
     dkdv_warps: int = 4
+    dkdv_stages: int = 2
     cmp_rows_per_split: int = 8192
     """Most (token, head) rows per program of the compressed/selected dK/dV kernel (32 under the CPU interpreter)."""
     dkdv_programs_per_sm: int = 4

@@ -1,0 +1,78 @@
+"""Where the selection kernel's time goes: the kernel as shipped against copies with one part changed.
+
+Each variant is nsa/ops/triton/selection.py with one source edit, written to a temporary module and
+timed on the same inputs (queued calls, GPU time). Variants that skip work give wrong indices; they
+only attribute time. Run on a GPU from the repository root:
+
+    python3 benchmarks/select_variants.py [SHAPE] [T]      (default: m7c 65536)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from nsa.bench.attention import HP, SHAPES, make_inputs
+from nsa.bench.common import format_table, time_cuda
+from nsa.ops.triton.range_attention import MODE_CMP, range_attention_fwd
+
+SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/selection.py"
+COLUMNS = ["variant", "ms", "differs"]
+MERGE = "best = _merge_top(best, tl.where(candidate, key, -1))"
+VARIANTS = {
+    "as shipped": [],
+    "general overlap products": [("R=per_block if stencil else 0", "R=0")],
+    "no ranking (elementwise max)": [(MERGE, "best = tl.maximum(best, tl.where(candidate, key, -1))")],
+    "chunk sort, no merge": [(MERGE, "best = tl.maximum(best, tl.sort(tl.where(candidate, key, -1)))")],
+    "no exp (scores = s)": [("p = tl.exp2(tl.where(visible, s - lse2[:, None], float(\"-inf\")))",
+                             "p = tl.where(visible, s, 0.0)")],
+}
+
+
+def load_variant(name: str, edits: list[tuple[str, str]], folder: Path):
+    text = SOURCE.read_text()
+    text = text.replace("from .common import", "from nsa.ops.triton.common import")
+    text = text.replace("from .tuning import", "from nsa.ops.triton.tuning import")
+    for old, new in edits:
+        if old not in text:
+            raise SystemExit(f"variant {name!r}: {old!r} is not in {SOURCE}")
+        text = text.replace(old, new)
+    path = folder / f"selection_variant_{abs(hash(name))}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shape", nargs="?", default="m7c", choices=sorted(SHAPES))
+    ap.add_argument("T", nargs="?", type=int, default=65536)
+    args = ap.parse_args()
+    H, G, Dk, Dv = SHAPES[args.shape]
+    q, kc, vc = (t.detach() for t in make_inputs(args.T, H, G, Dk, Dv)[:3])
+    scale = Dk**-0.5
+    l, d, lp, n = (HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel"))
+    _, lse = range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, HP["window"])
+    rows, shipped = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, edits in VARIANTS.items():
+            module = load_variant(name, edits, Path(tmp))
+            select = lambda: module.select_blocks_fwd(q, kc, lse, scale, l, d, lp, n)  # noqa: E731
+            idx = select()
+            shipped = idx if shipped is None else shipped
+            differ = (idx != shipped).any(-1).float().mean().item()  # share of (token, group) choosing otherwise
+            rows.append({"variant": name, "ms": time_cuda(select, queued=True), "differs": differ})
+            print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    print(f"\n{args.shape} T={args.T} ({torch.cuda.get_device_name()})\n" + format_table(rows, COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
