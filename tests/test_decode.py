@@ -377,6 +377,8 @@ def test_bench_decode_runs_on_cpu_and_reports_the_reads(tmp_path, capsys):
     args = ["bench", "decode", "model.n_layers=1", "model.dim=64", "model.mlp_hidden=64", "model.vocab_size=97",
             "--contexts", "300", "--batches", "2", "--steps", "2", "--device", "cpu", "--out", str(tmp_path), "--profile"]
     assert main(args) == 0
+    printed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert printed.count("nsa") == 2 and printed.count("dense") == 2  # each row as it lands, then the table
     for attention in ("nsa", "dense"):  # --profile: the step's ops by time (CPU time here), after the timed steps
         table = (tmp_path / f"profile_decode_{attention}_300_b2.txt").read_text()
         assert table.startswith("0 GPU kernels per call (mean over 5)") and "aten::mm" in table

@@ -89,6 +89,9 @@ def _layer_attention_ms(model: Transformer, cache, batch: int, reps: int, cuda: 
     return _median_ms(_graphed(fn, cuda), reps, cuda)
 
 
+PROGRESS_COLUMNS = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "layer_attention_ms"]
+
+
 @torch.no_grad()
 def measure(cfg, attention: str, context: int, batch: int, steps: int, device: torch.device,
             compile: bool = False, profile_dir: str | None = None) -> dict:
@@ -132,8 +135,14 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
     cfg = load_config(config, overrides)
     if cfg.model.vocab_size < 1:
         raise UserError("set model.vocab_size (e.g. 50304) for the benchmark's random-weight model")
-    rows = [measure(cfg, a, T, b, steps, dev, compile, out_dir if profile else None)
-            for b in batches for T in contexts for a in attentions]
+    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}  torch {torch.__version__}", flush=True)
+    rows = []
+    for b in batches:
+        for T in contexts:
+            for a in attentions:
+                # Each row takes minutes with --compile (compiles and graph captures): show it as it lands.
+                rows.append(measure(cfg, a, T, b, steps, dev, compile, out_dir if profile else None))
+                print(format_table(rows[-1:], PROGRESS_COLUMNS).splitlines()[-1], flush=True)
     for row in rows:
         dense = next((r for r in rows if r["attention"] == "dense" and r["context"] == row["context"]
                       and r["batch"] == row["batch"]), None)
@@ -142,10 +151,9 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
     meta = environment() | {"config": config or "defaults", "overrides": overrides, "steps": steps,
                             "dtype": "bf16" if dev.type == "cuda" else "fp32", "cuda_graphs": dev.type == "cuda",
                             "compiled": compile}
-    print(f"{meta['device']}  torch {meta['torch']}")
     columns = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup",
                "layer_attention_ms", "attention_speedup", "reads_per_group", "kernels_per_step"]
-    print(format_table(rows, [c for c in columns if any(c in r for r in rows)]))
+    print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
     paths = write_results(rows, out_dir, "decode_compiled" if compile else "decode", meta)
     print("wrote " + ", ".join(map(str, paths)))
     return rows
