@@ -62,6 +62,9 @@ def _health_probe_ms(trainer: Trainer, reps: int = 5) -> float | None:
     return statistics.median(times) * 1e3
 
 
+PROGRESS_COLUMNS = ["attention", "seq_len", "batch_per_rank", "ranks", "tokens_per_s", "peak_mem_gb", "step_ms"]
+
+
 def measure(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int, steps: int,
             warmup: int, info: DistInfo, profile_dir: str | None = None) -> dict:
     batch = max(1, batch_tokens // seq_len)
@@ -111,15 +114,21 @@ def run(config: str | None, overrides: list[str], seq_lens: list[int], attention
     info = init_distributed("auto", 600.0, allow_single_process=True)
     finished = False
     try:
-        rows = [measure(config, overrides, a, T, batch_tokens, steps, warmup, info, out_dir if profile else None)
-                for T in seq_lens for a in attentions]
+        rows = []
+        for T in seq_lens:
+            for a in attentions:
+                # A row compiles the model and runs its steps (minutes at 32k): show it as it lands.
+                rows.append(measure(config, overrides, a, T, batch_tokens, steps, warmup, info,
+                                    out_dir if profile else None))
+                if info.is_main:
+                    print(format_table(rows[-1:], PROGRESS_COLUMNS).splitlines()[-1], flush=True)
         for row in rows:
             dense = next((r for r in rows if r["attention"] == "dense" and r["seq_len"] == row["seq_len"]), None)
             row["vs_dense"] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
         if info.is_main:
             meta = environment() | {"config": config or "defaults", "overrides": overrides,
                                     "batch_tokens_per_rank": batch_tokens, "steps": steps, "warmup": warmup}
-            print(f"{meta['device']}  torch {meta['torch']}  ranks {info.world_size}")
+            print(f"\n{meta['device']}  torch {meta['torch']}  ranks {info.world_size}")
             print(format_table(rows, ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "tokens_per_s",
                                       "vs_dense", "mfu", "peak_mem_gb", "step_ms", "health_ms", "health_cost"]))
             paths = write_results(rows, out_dir, f"train_{info.world_size}rank", meta)
