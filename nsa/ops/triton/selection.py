@@ -2,10 +2,12 @@
 
 One program per (tile of BLOCK_T tokens, key/value group). It walks the selection
 blocks in chunks of K, recomputing p_cmp = exp(q.k_cmp * scale - lse_cmp) for the
-compressed tokens that start inside the chunk, maps them to selection-block scores
-with the overlap weights (a small exact-fp32 matrix product), sums the group's heads,
-and merges the chunk into a running top-K list per token. No [T, Nc] or [T, Ns]
-matrix ever exists.
+compressed tokens that start inside the chunk, sums the group's heads, maps them to
+selection-block scores with the overlap weights, and merges the chunk into a running
+top-K list per token. No [T, Nc] or [T, Ns] matrix ever exists. The mapping is a small
+exact-fp32 matrix product in general; where l <= l' and l'/d is a power of two (M7C,
+the paper) it is two weights per rank of a token in its block and a one-column shift
+(measured on H100 at 64k: M7C 3.96 -> 3.43 ms, paper 13.2 -> 11.2 ms).
 
 A compressed token starting in chunk c can reach into chunk c + 1 (it spans l
 tokens); that part is carried over. Ranking uses one int64 key per block:
