@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from nsa.bench.attention import HP, SHAPES, make_inputs
-from nsa.bench.common import format_table, time_cuda
+from nsa.bench.common import format_table, print_row, time_cuda
 from nsa.ops.triton.range_attention import MODE_CMP, range_attention_fwd
 
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/selection.py"
@@ -70,7 +70,7 @@ def main() -> None:
             shipped = idx if shipped is None else shipped
             differ = (idx != shipped).any(-1).float().mean().item()  # share of (token, group) choosing otherwise
             rows.append({"variant": name, "ms": time_cuda(select, queued=True), "differs": differ})
-            print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+            print_row(rows[-1], COLUMNS)
     print(f"\n{args.shape} T={args.T} ({torch.cuda.get_device_name()})\n" + format_table(rows, COLUMNS))
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..ops import nsa_attention
 from ..ops.geometry import num_compressed_blocks
-from .common import environment, format_table, time_cuda, write_results
+from .common import environment, format_table, print_row, time_cuda, write_results
 
 SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128)}
 """name: (query heads, key/value heads, Dk, Dv)."""
@@ -258,7 +258,7 @@ def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = Tr
     for shape in shapes:
         for T in lengths:
             rows.append(compare(shape, T, backward, use_fla, batch))
-            print(format_table(rows[-1:], list(rows[-1])).splitlines()[-1], flush=True)
+            print_row(rows[-1], list(rows[-1]))
     columns = ["shape", "T", "nsa_fwd_ms", "dense_fwd_ms", "fla_fwd_ms", "speedup_fwd", "nsa_fwdbwd_ms",
                "dense_fwdbwd_ms", "fla_fwdbwd_ms", "speedup_fwdbwd", "vs_fla_fwdbwd"]
     print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))

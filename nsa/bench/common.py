@@ -106,3 +106,8 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def print_row(row: dict, columns: list[str]) -> None:
+    """One row of format_table(..., columns) without its header, printed at once: progress of a long benchmark."""
+    print(format_table([row], columns).splitlines()[-1], flush=True)

@@ -25,7 +25,7 @@ from ..inference.cache import new_cache
 from ..inference.decode import prefill
 from ..inference.graphed import GraphedDecoder
 from ..model import Transformer
-from .common import environment, format_table, profile_to_file, write_results
+from .common import environment, format_table, print_row, profile_to_file, write_results
 
 
 PROFILE_STEPS = 5
@@ -142,7 +142,7 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
             for a in attentions:
                 # Each row takes minutes with --compile (compiles and graph captures): show it as it lands.
                 rows.append(measure(cfg, a, T, b, steps, dev, compile, out_dir if profile else None))
-                print(format_table(rows[-1:], PROGRESS_COLUMNS).splitlines()[-1], flush=True)
+                print_row(rows[-1], PROGRESS_COLUMNS)
     for row in rows:
         dense = next((r for r in rows if r["attention"] == "dense" and r["context"] == row["context"]
                       and r["batch"] == row["batch"]), None)

@@ -18,7 +18,7 @@ from ..config import load_config
 from ..errors import UserError
 from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
 from ..train.loop import Trainer
-from .common import environment, format_table, profile_to_file, write_results
+from .common import environment, format_table, print_row, profile_to_file, write_results
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 datasheet peaks used for MFU (override with --peak-tflops)."""
@@ -121,7 +121,7 @@ def run(config: str | None, overrides: list[str], seq_lens: list[int], attention
                 rows.append(measure(config, overrides, a, T, batch_tokens, steps, warmup, info,
                                     out_dir if profile else None))
                 if info.is_main:
-                    print(format_table(rows[-1:], PROGRESS_COLUMNS).splitlines()[-1], flush=True)
+                    print_row(rows[-1], PROGRESS_COLUMNS)
         for row in rows:
             dense = next((r for r in rows if r["attention"] == "dense" and r["seq_len"] == row["seq_len"]), None)
             row["vs_dense"] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
