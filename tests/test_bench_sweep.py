@@ -45,4 +45,6 @@ def test_every_sweep_name_is_a_launch_parameter():
     for key, values in bench.SWEEP.items():
         names = key.split("+")
         assert set(names) <= fields, key
-        assert all(len(v) == len(names) for v in values) if len(names) > 1 else values, key
+        assert values, key
+        if len(names) > 1:
+            assert all(len(v) == len(names) for v in values), key

@@ -135,7 +135,10 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
     cfg = load_config(config, overrides)
     if cfg.model.vocab_size < 1:
         raise UserError("set model.vocab_size (e.g. 50304) for the benchmark's random-weight model")
-    print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}  torch {torch.__version__}", flush=True)
+    meta = environment() | {"config": config or "defaults", "overrides": overrides, "steps": steps,
+                            "dtype": "bf16" if dev.type == "cuda" else "fp32", "cuda_graphs": dev.type == "cuda",
+                            "compiled": compile}
+    print(f"{meta['device']}  torch {meta['torch']}", flush=True)
     rows = []
     for b in batches:
         for T in contexts:
@@ -148,9 +151,6 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
                       and r["batch"] == row["batch"]), None)
         row["speedup"] = dense["step_ms"] / row["step_ms"] if dense else None
         row["attention_speedup"] = dense["layer_attention_ms"] / row["layer_attention_ms"] if dense else None
-    meta = environment() | {"config": config or "defaults", "overrides": overrides, "steps": steps,
-                            "dtype": "bf16" if dev.type == "cuda" else "fp32", "cuda_graphs": dev.type == "cuda",
-                            "compiled": compile}
     columns = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup",
                "layer_attention_ms", "attention_speedup", "reads_per_group", "kernels_per_step"]
     print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
