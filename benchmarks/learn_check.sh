@@ -11,7 +11,7 @@
 #              4k-64k tokens and depths 0-100%
 #   compare    nsa compare of the learn runs, and of the retrieval runs
 # Measured on an H100 with the defaults: learn NSA ~2 min, learn dense ~1.5 min, retrieval NSA ~8 min (6 launches
-# and the extension), retrieval dense ~6 min (measured with the earlier curriculum of one length per stage),
+# and the extension), retrieval dense ~7 min (409 s with the eval, 2026-11-24),
 # evals ~1 min. One 10-minute device call holds one of: the learn part (--no-retrieval), the NSA retrieval run
 # (--no-learn), the dense one (--no-learn --retrieval-kinds dense).
 # Each training run is also stopped at a wall-clock limit (--learn-limit,
