@@ -78,20 +78,24 @@ def test_triton_decode_with_a_long_window_and_blocks_across_chunks(seed):
 @torch.no_grad()
 @pytest.mark.parametrize("capacity,positions", [(600, [3, 100, 300, 520, 599]), (2100, [700, 1500, 2099])],
                          ids=["3-groups", "9-groups"])
-def test_triton_decode_ranks_many_chunk_groups_like_the_pytorch_path(capacity, positions):
-    # Two-token selection blocks: 300 of them are 19 chunks of 16, i.e. 3 groups of 8 chunks for the parallel
-    # ranking, and 1,050 are 66 chunks, 9 groups: more than the 8 lists the merge takes at once.
-    model = model_for(6, 1, block_len=8, block_stride=2, sel_block=2, n_sel=8, window=100)
+@pytest.mark.parametrize("block_len,sel_block", [(8, 2), (4, 4)], ids=["overlaps", "two-weights"])
+def test_triton_decode_ranks_many_chunk_groups_like_the_pytorch_path(capacity, positions, block_len, sel_block):
+    # Selection blocks of 300 (or 1,050) per capacity unit: 19 chunks of 16, i.e. 3 groups of 8 chunks for the
+    # parallel ranking, and 66 chunks, 9 groups: more than the 8 lists the merge takes at once. 8-token
+    # compressed blocks over 2-token selection blocks give every token four overlaps; 4 over 4 is the case where
+    # Eq. 9 is two weights per rank (M7C's), with a spill from each block into the next, across chunk edges too.
+    capacity, positions = capacity * sel_block // 2, [p * sel_block // 2 for p in positions]
+    model = model_for(6, 1, block_len=block_len, block_stride=2, sel_block=sel_block, n_sel=8, window=100)
     layer, t = random_layer_cache(model, positions, seed=11, capacity=capacity)
     gen = torch.Generator().manual_seed(12)
     n = len(positions)
     q, gates = torch.randn(n, 6, 8, generator=gen).to(DEVICE), torch.rand(n, 6, 3, generator=gen).to(DEVICE)
-    hyper = dict(sel_block=2, n_sel=8, window=100)
+    hyper = dict(sel_block=sel_block, n_sel=8, window=100)
     want, want_reads = decode_attention(q, gates, layer, t, **hyper, backend="reference")
     want_selected = layer.selected.clone()
     # Every query that reaches past the first group chooses unforced blocks in another: the ranking crosses
-    # groups (and, at 2,100 tokens, the merge's tiles of 8 groups).
-    j_t = t // 2
+    # groups (and, at 1,050 blocks, the merge's tiles of 8 groups).
+    j_t = t // sel_block
     far = j_t >= 256
     chosen = want_selected[far, 0]  # one key/value group
     assert far.any() and ((chosen >= 128) & (chosen < j_t[far, None] - 1)).any(-1).all()

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, load_tile, store_tile
-from .selection import _overlap
+from .selection import _merge_top, _overlap, stencil_rank
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _chunk_kernel(
     sqb, sqh, scb, sct, scg,
     G, h, NCH, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+    HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
 ):
     c = tl.program_id(0)
     pid = tl.program_id(1)
@@ -64,13 +64,24 @@ def _chunk_kernel(
     acc = tl.dot(p.to(v.dtype), v)
 
     jj = tl.arange(0, K)
-    starts = (ci * block_stride)[:, None]
-    w_cur = tl.where(ci_ok[:, None], _overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
-    w_nxt = tl.where(ci_ok[:, None], _overlap(starts, (j0 + K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
     # Exact fp32 products: the ranking must match the reference's. (Scores are cast to fp32 above:
     # under torch.compile a Python float argument arrives as fp64.)
-    sc_cur = tl.dot(p, w_cur, input_precision="ieee")
-    sc_nxt = tl.dot(p, w_nxt, input_precision="ieee")
+    if R > 0:
+        # R compressed tokens start in each selection block and none reaches past the next (l <= l'): a token's
+        # weights depend only on its rank r in its block. Stored: what block j's tokens put into j, and what they
+        # spill into j + 1 (_chunk_keys shifts it). The overlap matrices' two fp32 dots held 198 registers a
+        # program (two programs per SM: 30 us a layer at 64k x 16 sequences on an H100).
+        rr = tl.arange(0, R) * block_stride
+        p_blk = tl.reshape(p, [HP, K, R])
+        sc_cur = tl.sum(p_blk * _overlap(rr, 0, block_len, sel_block, block_stride)[None, None, :], 2)
+        sc_nxt = tl.sum(p_blk * _overlap(rr, 1, block_len, sel_block, block_stride)[None, None, :], 2)
+    else:
+        starts = (ci * block_stride)[:, None]
+        w_cur = tl.where(ci_ok[:, None], _overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
+        w_nxt = tl.where(ci_ok[:, None], _overlap(starts, (j0 + K + jj)[None, :], block_len, sel_block, block_stride),
+                         0.0)
+        sc_cur = tl.dot(p, w_cur, input_precision="ieee")
+        sc_nxt = tl.dot(p, w_nxt, input_precision="ieee")
 
     row = (pid * NCH + c).to(tl.int64) * HP + rh  # partial (program, chunk, head)
     tl.store(PM + row, m)
@@ -147,10 +158,13 @@ def _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP: tl.constexpr, BLOCK_DV:
 
 
 @triton.jit
-def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr):
+def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr,
+                STENCIL: tl.constexpr):
     """Ranking keys [1, CT*K] of the selection blocks of chunks c0 .. c0+CT-1: the Eq. 9 scores rescaled to
     exp(s - lse) and summed over the heads, as score bits * 2^32 + (2^32 - 1 - j) (ties go to the lower
-    block), the forced blocks at +inf, blocks after t's at -1."""
+    block), the forced blocks at +inf, blocks after t's at -1. STENCIL: the chunks stored each block's own
+    share and its spill into the next block (_chunk_kernel with R > 0), else their shares of this chunk's
+    blocks and of the next chunk's."""
     rh, jj = tl.arange(0, HP), tl.arange(0, K)
     cc = c0 + tl.arange(0, CT)
     cur = (first + cc).to(tl.int64)[:, None] * HP + rh[None, :]  # [CT, HP]
@@ -160,7 +174,14 @@ def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP: tl.constexpr, K: tl.cons
     f_cur = tl.exp2(tl.load(PM + cur, mask=ok_cur, other=float("-inf")) - lse2[None, :])
     f_prev = tl.exp2(tl.load(PM + prev, mask=ok_prev, other=float("-inf")) - lse2[None, :])
     sc = tl.load(PSC + cur[:, :, None] * (2 * K) + jj[None, None, :], mask=ok_cur[:, :, None], other=0.0)
-    sn = tl.load(PSC + prev[:, :, None] * (2 * K) + K + jj[None, None, :], mask=ok_prev[:, :, None], other=0.0)
+    if STENCIL:  # block j also gets block j - 1's spill: from this chunk, or for j = 0 the previous chunk's last
+        first_col = (jj == 0)[None, None, :]
+        sc += tl.load(PSC + cur[:, :, None] * (2 * K) + K - 1 + jj[None, None, :], mask=ok_cur[:, :, None] & ~first_col,
+                      other=0.0)
+        sn = tl.load(PSC + prev[:, :, None] * (2 * K) + 2 * K - 1 + 0 * jj[None, None, :],
+                     mask=ok_prev[:, :, None] & first_col, other=0.0)
+    else:
+        sn = tl.load(PSC + prev[:, :, None] * (2 * K) + K + jj[None, None, :], mask=ok_prev[:, :, None], other=0.0)
     score = tl.sum(sc * f_cur[:, :, None], 1) + tl.sum(sn * f_prev[:, :, None], 1)  # [CT, K]
     j = (cc[:, None] * K + jj[None, :]).to(tl.int64)
     forced = (j == 0) | (j == j_t) | (j == j_t - 1)
@@ -169,11 +190,10 @@ def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP: tl.constexpr, K: tl.cons
 
 
 @triton.jit
-def _store_chosen(best, IDX, b, g, sib, sig, n_sel, K: tl.constexpr, CT: tl.constexpr):
-    """The top n_sel of `best` [1, CT*K] (sorted by key, descending), as block indices in ascending order."""
+def _store_chosen(best, IDX, b, g, sib, sig, n_sel, K: tl.constexpr):
+    """The top n_sel of `best` [1, K] (sorted by key, descending), as block indices in ascending order."""
     jj = tl.arange(0, K)
-    top = tl.reshape(best, [CT, K])
-    top = tl.sum(tl.where((tl.arange(0, CT) == 0)[:, None], top, 0), 0)
+    top = tl.reshape(best, [K])
     chosen = tl.where((top >= 0) & (jj < n_sel), 4294967295 - (top & 4294967295), -1)
     BIG: tl.constexpr = 2147483647
     chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG))
@@ -193,6 +213,7 @@ def _sequence(pid, G, POS, sel_block):
 def _select_part_kernel(
     PM, PL, PACC, PSC, POS, PK, GM, GL, GACC, G, NCH, NCG, sel_block,
     HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
+    PTS: tl.constexpr, STENCIL: tl.constexpr,
 ):
     cg = tl.program_id(0)
     pid = tl.program_id(1)
@@ -211,8 +232,9 @@ def _select_part_kernel(
     if cg * CT * K > j_t:  # every block of this group comes after t's
         tl.store(out, tl.full([1, K], -1, tl.int64))
     else:
-        m_i, l_i = _merge_stats(PM, PL, first, NCH, HP, PT)
-        key = _chunk_keys(PM, PSC, first, cg * CT, NCH, _lse2(m_i, l_i), j_t, HP, K, CT)
+        # PTS chunks' statistics per load (at 64k all of them): a walk of PT at a time was latency in series.
+        m_i, l_i = _merge_stats(PM, PL, first, NCH, HP, PTS)
+        key = _chunk_keys(PM, PSC, first, cg * CT, NCH, _lse2(m_i, l_i), j_t, HP, K, CT, STENCIL)
         tl.store(out, tl.topk(key, K))  # the group's top K, sorted by key, descending
 
 
@@ -227,12 +249,14 @@ def _select_merge_kernel(
     _compressed_output(GM, GL, GACC, OCMP, pid, NCG, HP, BLOCK_DV, PT)
     # CT groups' lists of K keys make one [1, CT*K] tile; groups past t's hold only -1.
     kk = tl.arange(0, CT * K)
-    best = tl.full([1, CT * K], -1, tl.int64)
+    # Only the running top K is kept: a top K of the tile merged into it (a top CT*K of the tile and the list
+    # joined sorted four times as many keys).
+    best = tl.full([1, K], -1, tl.int64)
     for c0 in range(0, tl.minimum(NCG, (j_t // K) // CT + 1), CT):
         grp = c0 + kk // K
         key = tl.load(PK + (pid * NCG + grp).to(tl.int64) * K + kk % K, mask=grp < NCG, other=-1)
-        best = tl.topk(tl.reshape(tl.join(best, tl.reshape(key, [1, CT * K])), [1, 2 * CT * K]), CT * K)
-    _store_chosen(best, IDX, b, g, sib, sig, n_sel, K, CT)
+        best = _merge_top(best, tl.topk(tl.reshape(key, [1, CT * K]), K))
+    _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
 
 
 @triton.jit
@@ -240,16 +264,16 @@ def _select_kernel(
     PM, PL, PACC, PSC, POS, OCMP, IDX,
     sib, sig, G, NCH, sel_block, n_sel,
     HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
+    STENCIL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, g, _, j_t = _sequence(pid, G, POS, sel_block)
     first = pid * NCH
     lse2 = _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP, BLOCK_DV, PT)
-    best = tl.full([1, CT * K], -1, tl.int64)
+    best = tl.full([1, K], -1, tl.int64)
     for c0 in range(0, j_t // K + 1, CT):
-        key = _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP, K, CT)
-        best = tl.topk(tl.reshape(tl.join(best, key), [1, 2 * CT * K]), CT * K)
-    _store_chosen(best, IDX, b, g, sib, sig, n_sel, K, CT)
+        best = _merge_top(best, tl.topk(_chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP, K, CT, STENCIL), K))
+    _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
 
 
 @triton.jit
@@ -361,14 +385,17 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     sreads = torch.empty(bg, n_parts, device=q.device, dtype=torch.int32)
     o = torch.empty(B, H, Dv, device=q.device, dtype=q.dtype)
     reads = torch.empty(B, G, device=q.device, dtype=torch.int64)
-    warps = dict(num_warps=4 if q.is_cuda else 1)
+    # At most 128 registers a thread: four programs per SM instead of two or three. These programs are latency-bound,
+    # so more of them in flight is what hides it (the compressed chunks alone took 30 us a layer at 64k x 16).
+    warps = dict(num_warps=4, maxnreg=128) if q.is_cuda else dict(num_warps=1)
     scale_log2 = scale * LOG2E
 
+    R = stencil_rank(block_len, block_stride, sel_block)
     _chunk_kernel[(n_chunks, bg)](
         q, k_cmp, v_cmp, n_cmp, pm, pl, pacc, psc, q.stride(0), q.stride(1),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         G, h, n_chunks, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
-        **dims, HP=HP, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), **warps)
+        **dims, HP=HP, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), R=R, **warps)
     CT = 8  # chunks per ranking tile
     n_groups = triton.cdiv(n_chunks, CT)
     if n_groups > 1:
@@ -377,14 +404,15 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
         gacc = torch.empty(bg, n_groups, HP, dims["BLOCK_DV"], **f32)
         _select_part_kernel[(n_groups, bg)](
             pm, pl, pacc, psc, positions, part, gm, gl, gacc, G, n_chunks, n_groups, sel_block, HP=HP,
-            BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=CT, **warps)
+            BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=CT, PTS=min(64, triton.next_power_of_2(n_chunks)),
+            STENCIL=R > 0, **warps)
         _select_merge_kernel[(bg,)](
             gm, gl, gacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_groups,
             sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **warps)
     else:
         _select_kernel[(bg,)](
             pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_chunks,
-            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **warps)
+            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, STENCIL=R > 0, **warps)
     _span_kernel[(n_parts, bg)](
         q, k_sel, v_sel, k_win, v_win, positions, selected, sm, sl, sacc, sreads, q.stride(0), q.stride(1),
         k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),

@@ -126,6 +126,14 @@ def _select_kernel(
              mask=(tok[:, None] < T) & (jj[None, :] < n_sel))
 
 
+def stencil_rank(block_len: int, block_stride: int, sel_block: int) -> int:
+    """R = l'/d compressed tokens per selection block where Eq. 9 reduces to two weights per rank in the block
+    (l <= l', R a power of two: every token lies in its block and at most the next); 0 for general overlaps."""
+    per_block = sel_block // block_stride
+    ok = block_len <= sel_block and sel_block % block_stride == 0 and per_block & (per_block - 1) == 0
+    return per_block if ok else 0
+
+
 def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, scale: float,
                       block_len: int, block_stride: int, sel_block: int, n_sel: int) -> torch.Tensor:
     """Indices [B,T,G,n_sel] (int64, ascending, -1 padded) from q, k_cmp and the compressed branch's lse."""
@@ -135,9 +143,6 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
     # The running list must hold n and each chunk must contain every block a compressed token reaches into.
     K = max(16, triton.next_power_of_2(n_sel), triton.next_power_of_2(-(-block_len // sel_block) + 1))
     chunk_tokens = K * sel_block // block_stride
-    # Tokens per selection block when Eq. 9 reduces to two weights per rank in the block (0: general overlaps).
-    per_block = sel_block // block_stride
-    stencil = block_len <= sel_block and sel_block % block_stride == 0 and per_block & (per_block - 1) == 0
     idx = torch.empty(B, T, G, n_sel, device=q.device, dtype=torch.int64)
     hp = triton.next_power_of_2(h)
     on_gpu = q.device.type == "cuda"
@@ -149,7 +154,7 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
         lse_cmp.stride(0), lse_cmp.stride(1), idx.stride(0), idx.stride(1), idx.stride(2),
         T, NC, G, h, scale * LOG2E, block_len, block_stride, sel_block, n_sel, chunk_tokens,
         DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
-        HP=hp, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), R=per_block if stencil else 0,
+        HP=hp, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), R=stencil_rank(block_len, block_stride, sel_block),
         num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
         num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
     )
