@@ -196,8 +196,8 @@ def _store_chosen(best, IDX, b, g, sib, sig, n_sel, K: tl.constexpr):
     top = tl.reshape(best, [K])
     chosen = tl.where((top >= 0) & (jj < n_sel), 4294967295 - (top & 4294967295), -1)
     BIG: tl.constexpr = 2147483647
-    chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG))
-    chosen = tl.where(chosen == BIG, -1, chosen)
+    chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG).to(tl.int32))  # block indices fit: half the sort's work
+    chosen = tl.where(chosen == BIG, -1, chosen).to(tl.int64)
     tl.store(IDX + b * sib + g * sig + jj, chosen, mask=jj < n_sel)
 
 
@@ -239,6 +239,15 @@ def _select_part_kernel(
 
 
 @triton.jit
+def _group_lists(PK, pid, NCG, c0, K: tl.constexpr, CT: tl.constexpr):
+    """Groups c0 .. c0+CT-1's lists of K keys as one [1, CT*K] tile (-1 past the last group)."""
+    kk = tl.arange(0, CT * K)
+    grp = c0 + kk // K
+    key = tl.load(PK + (pid * NCG + grp).to(tl.int64) * K + kk % K, mask=grp < NCG, other=-1)
+    return tl.reshape(key, [1, CT * K])
+
+
+@triton.jit
 def _select_merge_kernel(
     GM, GL, GACC, PK, POS, OCMP, IDX,
     sib, sig, G, NCG, sel_block, n_sel,
@@ -247,15 +256,12 @@ def _select_merge_kernel(
     pid = tl.program_id(0)
     b, g, _, j_t = _sequence(pid, G, POS, sel_block)
     _compressed_output(GM, GL, GACC, OCMP, pid, NCG, HP, BLOCK_DV, PT)
-    # CT groups' lists of K keys make one [1, CT*K] tile; groups past t's hold only -1.
-    kk = tl.arange(0, CT * K)
-    # Only the running top K is kept: a top K of the tile merged into it (a top CT*K of the tile and the list
-    # joined sorted four times as many keys).
-    best = tl.full([1, K], -1, tl.int64)
-    for c0 in range(0, tl.minimum(NCG, (j_t // K) // CT + 1), CT):
-        grp = c0 + kk // K
-        key = tl.load(PK + (pid * NCG + grp).to(tl.int64) * K + kk % K, mask=grp < NCG, other=-1)
-        best = _merge_top(best, tl.topk(tl.reshape(key, [1, CT * K]), K))
+    # CT groups' lists make one tile; groups past t's hold only -1. Only the running top K is kept: a top K of
+    # each tile merged into it (a top CT*K of the tile joined to the list sorted four times as many keys). The
+    # first tile needs no merge; up to 64k tokens it is the only one.
+    best = tl.topk(_group_lists(PK, pid, NCG, 0, K, CT), K)
+    for c0 in range(CT, tl.minimum(NCG, (j_t // K) // CT + 1), CT):
+        best = _merge_top(best, tl.topk(_group_lists(PK, pid, NCG, c0, K, CT), K))
     _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
 
 
@@ -270,8 +276,8 @@ def _select_kernel(
     b, g, _, j_t = _sequence(pid, G, POS, sel_block)
     first = pid * NCH
     lse2 = _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP, BLOCK_DV, PT)
-    best = tl.full([1, K], -1, tl.int64)
-    for c0 in range(0, j_t // K + 1, CT):
+    best = tl.topk(_chunk_keys(PM, PSC, first, 0, NCH, lse2, j_t, HP, K, CT, STENCIL), K)
+    for c0 in range(CT, j_t // K + 1, CT):
         best = _merge_top(best, tl.topk(_chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP, K, CT, STENCIL), K))
     _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
 
