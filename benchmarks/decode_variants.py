@@ -27,11 +27,9 @@ HEADS, GROUPS, DIM = 12, 2, 64
 HYPER = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "as shipped": [],
-    "no register cap": [("dict(num_warps=4, maxnreg=128)", "dict(num_warps=4)")],
+    "ranking kernels 4 warps": [("rank_warps = dict(num_warps=2 if", "rank_warps = dict(num_warps=4 if")],
     "chunk statistics 8 at a time": [("PTS=min(64, triton.next_power_of_2(n_chunks))", "PTS=8")],
     "general overlaps (no two-weight stencil)": [("R = stencil_rank(block_len, block_stride, sel_block)", "R = 0")],
-    "ranking kernels 2 warps": [("STENCIL=R > 0, **warps)", "STENCIL=R > 0, num_warps=2)"),
-                                ("CT=CT, PT=8, **warps)", "CT=CT, PT=8, num_warps=2)")],
 }
 COLUMNS = ["variant", "batch", "us", "kernels_us"]
 

@@ -84,18 +84,21 @@ def _chunk_kernel(
         sc_nxt = tl.dot(p, w_nxt, input_precision="ieee")
 
     row = (pid * NCH + c).to(tl.int64) * HP + rh  # partial (program, chunk, head)
-    tl.store(PM + row, m)
-    tl.store(PL + row, tl.sum(p, 1))
-    tl.store(PACC + row[:, None] * BLOCK_DV + dv[None, :], acc)
-    tl.store(PSC + row[:, None] * (2 * K) + jj[None, :], sc_cur)
-    tl.store(PSC + row[:, None] * (2 * K) + K + jj[None, :], sc_nxt)
+    # Only the h real rows are stored (the readers mask the padding): at 64k x 16 sequences the padded rows were
+    # most of the kernel's writes.
+    tl.store(PM + row, m, mask=row_ok)
+    tl.store(PL + row, tl.sum(p, 1), mask=row_ok)
+    tl.store(PACC + row[:, None] * BLOCK_DV + dv[None, :], acc, mask=row_ok[:, None])
+    tl.store(PSC + row[:, None] * (2 * K) + jj[None, :], sc_cur, mask=row_ok[:, None])
+    tl.store(PSC + row[:, None] * (2 * K) + K + jj[None, :], sc_nxt, mask=row_ok[:, None])
 
 
 @triton.jit
-def _merge(PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr,
+def _merge(PM, PL, PACC, first, count, h, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr,
            c0, DVT: tl.constexpr):
     """Merge `count` partial softmaxes (rows first .. first+count-1 of [*, HP] stats and [*, HP, BLOCK_DV]
-    sums), PT at a time: (max, sum, acc) over all of them, in log2 units; acc holds the DVT columns from c0."""
+    sums, of which the first h heads are stored), PT at a time: (max, sum, acc) over all of them, in log2
+    units; acc holds the DVT columns from c0 (padding heads: -inf, 0, 0)."""
     rh = tl.arange(0, HP)
     dv = c0 + tl.arange(0, DVT)
     acc = tl.zeros([HP, DVT], tl.float32)
@@ -105,9 +108,10 @@ def _merge(PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr,
         pp = p0 + tl.arange(0, PT)
         ok = pp < count
         row = (first + pp).to(tl.int64)[:, None] * HP + rh[None, :]  # [PT, HP]
-        m = tl.load(PM + row, mask=ok[:, None], other=float("-inf"))
-        l_p = tl.load(PL + row, mask=ok[:, None], other=0.0)
-        a = tl.load(PACC + row[:, :, None] * BLOCK_DV + dv[None, None, :], mask=ok[:, None, None], other=0.0)
+        ok = ok[:, None] & (rh < h)[None, :]
+        m = tl.load(PM + row, mask=ok, other=float("-inf"))
+        l_p = tl.load(PL + row, mask=ok, other=0.0)
+        a = tl.load(PACC + row[:, :, None] * BLOCK_DV + dv[None, None, :], mask=ok[:, :, None], other=0.0)
         m_new = tl.maximum(m_i, tl.max(m, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -119,7 +123,7 @@ def _merge(PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr,
 
 
 @triton.jit
-def _merge_stats(PM, PL, first, count, HP: tl.constexpr, PT: tl.constexpr):
+def _merge_stats(PM, PL, first, count, h, HP: tl.constexpr, PT: tl.constexpr):
     """(max, sum) of `count` partial softmaxes: _merge's arithmetic in the same order, without the sums of
     p @ v, so that every program that needs the lse gets the same bits."""
     rh = tl.arange(0, HP)
@@ -129,8 +133,9 @@ def _merge_stats(PM, PL, first, count, HP: tl.constexpr, PT: tl.constexpr):
         pp = p0 + tl.arange(0, PT)
         ok = pp < count
         row = (first + pp).to(tl.int64)[:, None] * HP + rh[None, :]
-        m = tl.load(PM + row, mask=ok[:, None], other=float("-inf"))
-        l_p = tl.load(PL + row, mask=ok[:, None], other=0.0)
+        ok = ok[:, None] & (rh < h)[None, :]
+        m = tl.load(PM + row, mask=ok, other=float("-inf"))
+        l_p = tl.load(PL + row, mask=ok, other=0.0)
         m_new = tl.maximum(m_i, tl.max(m, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -147,18 +152,19 @@ def _lse2(m_i, l_i):
 
 
 @triton.jit
-def _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr):
+def _compressed_output(PM, PL, PACC, OCMP, pid, NCH, h, HP: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       PT: tl.constexpr):
     """Merge program pid's NCH partials (chunks, or groups of chunks) into the compressed branch's output
     (stored to OCMP); its lse."""
     rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
-    m_i, l_i, acc = _merge(PM, PL, PACC, pid * NCH, NCH, HP, BLOCK_DV, PT, 0, BLOCK_DV)
+    m_i, l_i, acc = _merge(PM, PL, PACC, pid * NCH, NCH, h, HP, BLOCK_DV, PT, 0, BLOCK_DV)
     tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
              acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
     return _lse2(m_i, l_i)
 
 
 @triton.jit
-def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr,
+def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr,
                 STENCIL: tl.constexpr):
     """Ranking keys [1, CT*K] of the selection blocks of chunks c0 .. c0+CT-1: the Eq. 9 scores rescaled to
     exp(s - lse) and summed over the heads, as score bits * 2^32 + (2^32 - 1 - j) (ties go to the lower
@@ -169,15 +175,16 @@ def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP: tl.constexpr, K: tl.cons
     cc = c0 + tl.arange(0, CT)
     cur = (first + cc).to(tl.int64)[:, None] * HP + rh[None, :]  # [CT, HP]
     prev = cur - HP
-    ok_cur = (cc < NCH)[:, None]
-    ok_prev = ((cc >= 1) & (cc - 1 < NCH))[:, None]
+    head_ok = (rh < h)[None, :]
+    ok_cur = (cc < NCH)[:, None] & head_ok
+    ok_prev = ((cc >= 1) & (cc - 1 < NCH))[:, None] & head_ok
     f_cur = tl.exp2(tl.load(PM + cur, mask=ok_cur, other=float("-inf")) - lse2[None, :])
     f_prev = tl.exp2(tl.load(PM + prev, mask=ok_prev, other=float("-inf")) - lse2[None, :])
     sc = tl.load(PSC + cur[:, :, None] * (2 * K) + jj[None, None, :], mask=ok_cur[:, :, None], other=0.0)
     if STENCIL:  # block j also gets block j - 1's spill: from this chunk, or for j = 0 the previous chunk's last
         first_col = (jj == 0)[None, None, :]
-        sc += tl.load(PSC + cur[:, :, None] * (2 * K) + K - 1 + jj[None, None, :], mask=ok_cur[:, :, None] & ~first_col,
-                      other=0.0)
+        sc += tl.load(PSC + cur[:, :, None] * (2 * K) + K - 1 + jj[None, None, :],
+                      mask=ok_cur[:, :, None] & ~first_col, other=0.0)
         sn = tl.load(PSC + prev[:, :, None] * (2 * K) + 2 * K - 1 + 0 * jj[None, None, :],
                      mask=ok_prev[:, :, None] & first_col, other=0.0)
     else:
@@ -211,7 +218,7 @@ def _sequence(pid, G, POS, sel_block):
 
 @triton.jit
 def _select_part_kernel(
-    PM, PL, PACC, PSC, POS, PK, GM, GL, GACC, G, NCH, NCG, sel_block,
+    PM, PL, PACC, PSC, POS, PK, GM, GL, GACC, G, h, NCH, NCG, sel_block,
     HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
     PTS: tl.constexpr, STENCIL: tl.constexpr,
 ):
@@ -222,19 +229,19 @@ def _select_part_kernel(
     # The group's chunks merged into one partial of the compressed branch, so that B2 merges NCG partials
     # rather than NCH (in one program, that merge was the step's slowest kernel at 64k on an H100).
     rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
-    m_g, l_g, acc_g = _merge(PM, PL, PACC, first + cg * CT, tl.minimum(CT, NCH - cg * CT), HP, BLOCK_DV, PT, 0,
+    m_g, l_g, acc_g = _merge(PM, PL, PACC, first + cg * CT, tl.minimum(CT, NCH - cg * CT), h, HP, BLOCK_DV, PT, 0,
                              BLOCK_DV)
     row = (pid * NCG + cg).to(tl.int64) * HP + rh
-    tl.store(GM + row, m_g)
-    tl.store(GL + row, l_g)
-    tl.store(GACC + row[:, None] * BLOCK_DV + dv[None, :], acc_g)
+    tl.store(GM + row, m_g, mask=rh < h)
+    tl.store(GL + row, l_g, mask=rh < h)
+    tl.store(GACC + row[:, None] * BLOCK_DV + dv[None, :], acc_g, mask=(rh < h)[:, None])
     out = PK + (pid * NCG + cg).to(tl.int64) * K + tl.reshape(tl.arange(0, K), [1, K])
     if cg * CT * K > j_t:  # every block of this group comes after t's
         tl.store(out, tl.full([1, K], -1, tl.int64))
     else:
         # PTS chunks' statistics per load (at 64k all of them): a walk of PT at a time was latency in series.
-        m_i, l_i = _merge_stats(PM, PL, first, NCH, HP, PTS)
-        key = _chunk_keys(PM, PSC, first, cg * CT, NCH, _lse2(m_i, l_i), j_t, HP, K, CT, STENCIL)
+        m_i, l_i = _merge_stats(PM, PL, first, NCH, h, HP, PTS)
+        key = _chunk_keys(PM, PSC, first, cg * CT, NCH, _lse2(m_i, l_i), j_t, h, HP, K, CT, STENCIL)
         tl.store(out, tl.topk(key, K))  # the group's top K, sorted by key, descending
 
 
@@ -250,12 +257,12 @@ def _group_lists(PK, pid, NCG, c0, K: tl.constexpr, CT: tl.constexpr):
 @triton.jit
 def _select_merge_kernel(
     GM, GL, GACC, PK, POS, OCMP, IDX,
-    sib, sig, G, NCG, sel_block, n_sel,
+    sib, sig, G, h, NCG, sel_block, n_sel,
     HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, g, _, j_t = _sequence(pid, G, POS, sel_block)
-    _compressed_output(GM, GL, GACC, OCMP, pid, NCG, HP, BLOCK_DV, PT)
+    _compressed_output(GM, GL, GACC, OCMP, pid, NCG, h, HP, BLOCK_DV, PT)
     # CT groups' lists make one tile; groups past t's hold only -1. Only the running top K is kept: a top K of
     # each tile merged into it (a top CT*K of the tile joined to the list sorted four times as many keys). The
     # first tile needs no merge; up to 64k tokens it is the only one.
@@ -268,17 +275,18 @@ def _select_merge_kernel(
 @triton.jit
 def _select_kernel(
     PM, PL, PACC, PSC, POS, OCMP, IDX,
-    sib, sig, G, NCH, sel_block, n_sel,
+    sib, sig, G, h, NCH, sel_block, n_sel,
     HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
     STENCIL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, g, _, j_t = _sequence(pid, G, POS, sel_block)
     first = pid * NCH
-    lse2 = _compressed_output(PM, PL, PACC, OCMP, pid, NCH, HP, BLOCK_DV, PT)
-    best = tl.topk(_chunk_keys(PM, PSC, first, 0, NCH, lse2, j_t, HP, K, CT, STENCIL), K)
+    lse2 = _compressed_output(PM, PL, PACC, OCMP, pid, NCH, h, HP, BLOCK_DV, PT)
+    best = tl.topk(_chunk_keys(PM, PSC, first, 0, NCH, lse2, j_t, h, HP, K, CT, STENCIL), K)
     for c0 in range(CT, j_t // K + 1, CT):
-        best = _merge_top(best, tl.topk(_chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, HP, K, CT, STENCIL), K))
+        best = _merge_top(best, tl.topk(_chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP, K, CT, STENCIL),
+                                        K))
     _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
 
 
@@ -316,9 +324,9 @@ def _span_kernel(
     p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
     v = load_tile(vp, off, dv, ok, DV)
     row = (pid * NP + i).to(tl.int64) * HP + rh
-    tl.store(PM + row, m)
-    tl.store(PL + row, tl.sum(p, 1))
-    tl.store(PACC + row[:, None] * BLOCK_DV + dv[None, :], tl.dot(p.to(v.dtype), v))
+    tl.store(PM + row, m, mask=row_ok)
+    tl.store(PL + row, tl.sum(p, 1), mask=row_ok)
+    tl.store(PACC + row[:, None] * BLOCK_DV + dv[None, :], tl.dot(p.to(v.dtype), v), mask=row_ok[:, None])
     tl.store(PR + pid * NP + i, tl.sum(ok.to(tl.int32)))
 
 
@@ -339,8 +347,8 @@ def _combine_kernel(
     rh, dv = tl.arange(0, HP), c0 + tl.arange(0, DVT)
     row_ok = rh < h
     head = (g * h + tl.where(row_ok, rh, 0)).to(tl.int64)
-    _, l_s, acc_s = _merge(PM, PL, PACC, pid * NP, n_sel, HP, BLOCK_DV, PS, c0, DVT)
-    _, l_w, acc_w = _merge(PM, PL, PACC, pid * NP + n_sel, NP - n_sel, HP, BLOCK_DV, PW, c0, DVT)
+    _, l_s, acc_s = _merge(PM, PL, PACC, pid * NP, n_sel, h, HP, BLOCK_DV, PS, c0, DVT)
+    _, l_w, acc_w = _merge(PM, PL, PACC, pid * NP + n_sel, NP - n_sel, h, HP, BLOCK_DV, PW, c0, DVT)
     o_sel = acc_s / tl.where(l_s > 0, l_s, 1.0)[:, None]
     o_win = acc_w / tl.where(l_w > 0, l_w, 1.0)[:, None]
     o_cmp = tl.load(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :])
@@ -391,9 +399,11 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     sreads = torch.empty(bg, n_parts, device=q.device, dtype=torch.int32)
     o = torch.empty(B, H, Dv, device=q.device, dtype=q.dtype)
     reads = torch.empty(B, G, device=q.device, dtype=torch.int64)
-    # At most 128 registers a thread: four programs per SM instead of two or three. These programs are latency-bound,
-    # so more of them in flight is what hides it (the compressed chunks alone took 30 us a layer at 64k x 16).
-    warps = dict(num_warps=4, maxnreg=128) if q.is_cuda else dict(num_warps=1)
+    warps = dict(num_warps=4 if q.is_cuda else 1)
+    # The ranking kernels' sorting networks exchange keys between threads at every stage: fewer warps, fewer of
+    # those exchanges go through shared memory (measured on an H100 at 64k: 28.1 -> 25.8 us a layer at batch 1,
+    # 58.1 -> 51.4 at 16; one warp spills).
+    rank_warps = dict(num_warps=2 if q.is_cuda else 1)
     scale_log2 = scale * LOG2E
 
     R = stencil_rank(block_len, block_stride, sel_block)
@@ -409,16 +419,16 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
         gm, gl = torch.empty(bg, n_groups, HP, **f32), torch.empty(bg, n_groups, HP, **f32)
         gacc = torch.empty(bg, n_groups, HP, dims["BLOCK_DV"], **f32)
         _select_part_kernel[(n_groups, bg)](
-            pm, pl, pacc, psc, positions, part, gm, gl, gacc, G, n_chunks, n_groups, sel_block, HP=HP,
+            pm, pl, pacc, psc, positions, part, gm, gl, gacc, G, h, n_chunks, n_groups, sel_block, HP=HP,
             BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=CT, PTS=min(64, triton.next_power_of_2(n_chunks)),
-            STENCIL=R > 0, **warps)
+            STENCIL=R > 0, **rank_warps)
         _select_merge_kernel[(bg,)](
-            gm, gl, gacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_groups,
-            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **warps)
+            gm, gl, gacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, h, n_groups,
+            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **rank_warps)
     else:
         _select_kernel[(bg,)](
-            pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, n_chunks,
-            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, STENCIL=R > 0, **warps)
+            pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, h, n_chunks,
+            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, STENCIL=R > 0, **rank_warps)
     _span_kernel[(n_parts, bg)](
         q, k_sel, v_sel, k_win, v_win, positions, selected, sm, sl, sacc, sreads, q.stride(0), q.stride(1),
         k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
