@@ -68,13 +68,15 @@ def _chunk_kernel(
     # under torch.compile a Python float argument arrives as fp64.)
     if R > 0:
         # R compressed tokens start in each selection block and none reaches past the next (l <= l'): a token's
-        # weights depend only on its rank r in its block. Stored: what block j's tokens put into j, and what they
-        # spill into j + 1 (_chunk_keys shifts it). The overlap matrices' two fp32 dots held 198 registers a
-        # program (two programs per SM: 30 us a layer at 64k x 16 sequences on an H100).
+        # weights depend only on its rank r in its block, into its block and into the next (what the overlap
+        # matrices' two [C, K] products gave, at 1.7x this kernel's time at 64k x 16 sequences on an H100).
         rr = tl.arange(0, R) * block_stride
         p_blk = tl.reshape(p, [HP, K, R])
-        sc_cur = tl.sum(p_blk * _overlap(rr, 0, block_len, sel_block, block_stride)[None, None, :], 2)
-        sc_nxt = tl.sum(p_blk * _overlap(rr, 1, block_len, sel_block, block_stride)[None, None, :], 2)
+        spill = tl.sum(p_blk * _overlap(rr, 1, block_len, sel_block, block_stride)[None, None, :], 2)
+        shift = (jj[:, None] + 1 == jj[None, :]).to(tl.float32)  # x @ shift moves column j to j + 1 (exactly)
+        sc_cur = (tl.sum(p_blk * _overlap(rr, 0, block_len, sel_block, block_stride)[None, None, :], 2)
+                  + tl.dot(spill, shift, input_precision="ieee"))
+        sc_nxt = tl.where(jj[None, :] == 0, tl.sum(tl.where(jj[None, :] == K - 1, spill, 0.0), 1)[:, None], 0.0)
     else:
         starts = (ci * block_stride)[:, None]
         w_cur = tl.where(ci_ok[:, None], _overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
@@ -164,13 +166,10 @@ def _compressed_output(PM, PL, PACC, OCMP, pid, NCH, h, HP: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr,
-                STENCIL: tl.constexpr):
+def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr):
     """Ranking keys [1, CT*K] of the selection blocks of chunks c0 .. c0+CT-1: the Eq. 9 scores rescaled to
     exp(s - lse) and summed over the heads, as score bits * 2^32 + (2^32 - 1 - j) (ties go to the lower
-    block), the forced blocks at +inf, blocks after t's at -1. STENCIL: the chunks stored each block's own
-    share and its spill into the next block (_chunk_kernel with R > 0), else their shares of this chunk's
-    blocks and of the next chunk's."""
+    block), the forced blocks at +inf, blocks after t's at -1."""
     rh, jj = tl.arange(0, HP), tl.arange(0, K)
     cc = c0 + tl.arange(0, CT)
     cur = (first + cc).to(tl.int64)[:, None] * HP + rh[None, :]  # [CT, HP]
@@ -181,14 +180,7 @@ def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP: tl.constexpr, K: tl.c
     f_cur = tl.exp2(tl.load(PM + cur, mask=ok_cur, other=float("-inf")) - lse2[None, :])
     f_prev = tl.exp2(tl.load(PM + prev, mask=ok_prev, other=float("-inf")) - lse2[None, :])
     sc = tl.load(PSC + cur[:, :, None] * (2 * K) + jj[None, None, :], mask=ok_cur[:, :, None], other=0.0)
-    if STENCIL:  # block j also gets block j - 1's spill: from this chunk, or for j = 0 the previous chunk's last
-        first_col = (jj == 0)[None, None, :]
-        sc += tl.load(PSC + cur[:, :, None] * (2 * K) + K - 1 + jj[None, None, :],
-                      mask=ok_cur[:, :, None] & ~first_col, other=0.0)
-        sn = tl.load(PSC + prev[:, :, None] * (2 * K) + 2 * K - 1 + 0 * jj[None, None, :],
-                     mask=ok_prev[:, :, None] & first_col, other=0.0)
-    else:
-        sn = tl.load(PSC + prev[:, :, None] * (2 * K) + K + jj[None, None, :], mask=ok_prev[:, :, None], other=0.0)
+    sn = tl.load(PSC + prev[:, :, None] * (2 * K) + K + jj[None, None, :], mask=ok_prev[:, :, None], other=0.0)
     score = tl.sum(sc * f_cur[:, :, None], 1) + tl.sum(sn * f_prev[:, :, None], 1)  # [CT, K]
     j = (cc[:, None] * K + jj[None, :]).to(tl.int64)
     forced = (j == 0) | (j == j_t) | (j == j_t - 1)
@@ -220,7 +212,7 @@ def _sequence(pid, G, POS, sel_block):
 def _select_part_kernel(
     PM, PL, PACC, PSC, POS, PK, GM, GL, GACC, G, h, NCH, NCG, sel_block,
     HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
-    PTS: tl.constexpr, STENCIL: tl.constexpr,
+    PTS: tl.constexpr,
 ):
     cg = tl.program_id(0)
     pid = tl.program_id(1)
@@ -241,7 +233,7 @@ def _select_part_kernel(
     else:
         # PTS chunks' statistics per load (at 64k all of them): a walk of PT at a time was latency in series.
         m_i, l_i = _merge_stats(PM, PL, first, NCH, h, HP, PTS)
-        key = _chunk_keys(PM, PSC, first, cg * CT, NCH, _lse2(m_i, l_i), j_t, h, HP, K, CT, STENCIL)
+        key = _chunk_keys(PM, PSC, first, cg * CT, NCH, _lse2(m_i, l_i), j_t, h, HP, K, CT)
         tl.store(out, tl.topk(key, K))  # the group's top K, sorted by key, descending
 
 
@@ -277,16 +269,14 @@ def _select_kernel(
     PM, PL, PACC, PSC, POS, OCMP, IDX,
     sib, sig, G, h, NCH, sel_block, n_sel,
     HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
-    STENCIL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, g, _, j_t = _sequence(pid, G, POS, sel_block)
     first = pid * NCH
     lse2 = _compressed_output(PM, PL, PACC, OCMP, pid, NCH, h, HP, BLOCK_DV, PT)
-    best = tl.topk(_chunk_keys(PM, PSC, first, 0, NCH, lse2, j_t, h, HP, K, CT, STENCIL), K)
+    best = tl.topk(_chunk_keys(PM, PSC, first, 0, NCH, lse2, j_t, h, HP, K, CT), K)
     for c0 in range(CT, j_t // K + 1, CT):
-        best = _merge_top(best, tl.topk(_chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP, K, CT, STENCIL),
-                                        K))
+        best = _merge_top(best, tl.topk(_chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP, K, CT), K))
     _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
 
 
@@ -387,7 +377,8 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     HP = max(16, triton.next_power_of_2(h))
     BLOCK_N = max(16, triton.next_power_of_2(sel_block))  # a chosen block is one tile; so is a piece of window
     n_parts = n_sel + triton.cdiv(min(window, L), BLOCK_N)  # window tiles start at max(t - w + 1, 0)
-    dims = dict(DK=Dk, DV=Dv, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)))
+    dims = dict(DK=Dk, DV=Dv, BLOCK_DK=max(16, triton.next_power_of_2(Dk)),
+                BLOCK_DV=max(16, triton.next_power_of_2(Dv)))
     f32 = dict(device=q.device, dtype=torch.float32)
     bg = B * G
     pm, pl = torch.empty(bg, n_chunks, HP, **f32), torch.empty(bg, n_chunks, HP, **f32)
@@ -421,14 +412,14 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
         _select_part_kernel[(n_groups, bg)](
             pm, pl, pacc, psc, positions, part, gm, gl, gacc, G, h, n_chunks, n_groups, sel_block, HP=HP,
             BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=CT, PTS=min(64, triton.next_power_of_2(n_chunks)),
-            STENCIL=R > 0, **rank_warps)
+            **rank_warps)
         _select_merge_kernel[(bg,)](
             gm, gl, gacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, h, n_groups,
             sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **rank_warps)
     else:
         _select_kernel[(bg,)](
             pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, h, n_chunks,
-            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, STENCIL=R > 0, **rank_warps)
+            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **rank_warps)
     _span_kernel[(n_parts, bg)](
         q, k_sel, v_sel, k_win, v_win, positions, selected, sm, sl, sacc, sreads, q.stride(0), q.stride(1),
         k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
