@@ -29,6 +29,14 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "as shipped": [],
     "ranking kernels 4 warps": [("rank_warps = dict(num_warps=2 if", "rank_warps = dict(num_warps=4 if")],
     "chunk statistics 8 at a time": [("PTS=min(64, triton.next_power_of_2(n_chunks))", "PTS=8")],
+    "values loaded after the scores": [
+        ("k, v = load_tile(KC + base, off, dk, ci_ok, DK), load_tile(VC + base, off, dv, ci_ok, DV)",
+         "k = load_tile(KC + base, off, dk, ci_ok, DK)"),
+        ("acc = tl.dot(p.to(v.dtype), v)", "v = load_tile(VC + base, off, dv, ci_ok, DV)\n    acc = tl.dot(p.to(v.dtype), v)"),
+        ("k, v = load_tile(kp, off, dk, ok, DK), load_tile(vp, off, dv, ok, DV)", "k = load_tile(kp, off, dk, ok, DK)"),
+        ("p = tl.exp2(s - tl.where(m == float(\"-inf\"), 0.0, m)[:, None])\n    row",
+         "p = tl.exp2(s - tl.where(m == float(\"-inf\"), 0.0, m)[:, None])\n    v = load_tile(vp, off, dv, ok, DV)\n    row"),
+    ],
     "general overlaps (no two-weight stencil)": [("R = stencil_rank(block_len, block_stride, sel_block)", "R = 0")],
 }
 COLUMNS = ["variant", "batch", "us", "kernels_us"]
