@@ -26,7 +26,7 @@ COLUMNS = ["variant", "ms", "differs"]
 MERGE = "best = _merge_top(best, tl.where(candidate, key, -1))"
 VARIANTS = {
     "as shipped": [],
-    "general overlap products": [("R=per_block if stencil else 0", "R=0")],
+    "general overlap products": [("R=stencil_rank(block_len, block_stride, sel_block)", "R=0")],
     "no ranking (elementwise max)": [(MERGE, "best = tl.maximum(best, tl.where(candidate, key, -1))")],
     "chunk sort, no merge": [(MERGE, "best = tl.maximum(best, tl.sort(tl.where(candidate, key, -1)))")],
     "no exp (scores = s)": [("p = tl.exp2(tl.where(visible, s - lse2[:, None], float(\"-inf\")))",
