@@ -182,7 +182,7 @@ def _nsa_layer_cache(attn: NSAAttention, batch: int, max_len: int, dtype: torch.
         selected=torch.full((batch, g, nsa.n_sel), -1, dtype=torch.long, device=device),
         reads=torch.zeros(batch, g, dtype=torch.long, device=device),
         block_len=nsa.block_len, block_stride=nsa.block_stride,
-        fused=fuse(attn.input_layers, (attn.compress_k, attn.compress_v)),
+        fused=fuse(attn.input_layers, (attn.compress_k, attn.compress_v), attn.gate),
     )
 
 

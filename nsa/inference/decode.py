@@ -17,7 +17,7 @@ from ..model.rope import apply_rope
 from ..ops import nsa_attention
 from .attention import decode_attention, dense_decode_attention
 from .cache import DecodeCache, DenseLayerCache, NSALayerCache
-from .fused import FusedWeights, input_projections
+from .fused import FusedWeights, gates_from, input_projections
 
 
 def _hyper(attn: NSAAttention) -> dict:
@@ -38,7 +38,8 @@ def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, lengths)
 
 
 def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions, emit: bool = True) -> torch.Tensor:
-    p = attn.project_from(*input_projections(cache.fused, x), cos, sin)
+    q_lin, kv_lin, gate_lin = input_projections(cache.fused, x)
+    p = attn.project_from(q_lin, kv_lin, gate_lin, cos, sin, gates=gates_from(cache.fused, attn.gate, gate_lin))
     cache.write(p, positions)
     if emit:  # skipped (exactly: it would change nothing) when the host knows no block is due
         cache.emit(positions)  # before attending: a block ending at t is visible to t

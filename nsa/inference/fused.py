@@ -28,12 +28,19 @@ class FusedWeights:
     """[2, l*D, hidden]: phi's first layer for keys and values, transposed for bmm."""
     phi_fc2: torch.Tensor | None = None
     """[2, hidden, D]: phi's second layer, transposed."""
+    gate_out: torch.Tensor | None = None
+    """[hidden, 3H], at least float32: the gate MLP's second layer, transposed (None: a linear gate, all in w_in)."""
 
 
-def fuse(layers: tuple[nn.Linear, ...], compressors: tuple[nn.Module, nn.Module] | None = None) -> FusedWeights:
-    """Stack the input maps (bias-free linears reading the same input) and, with phi='mlp', both compressors."""
+def fuse(layers: tuple[nn.Linear, ...], compressors: tuple[nn.Module, nn.Module] | None = None,
+         gate: nn.Module | None = None) -> FusedWeights:
+    """Stack the input maps (bias-free linears reading the same input) and, with phi='mlp', both compressors;
+    keep the gate MLP's second layer (if it has one) for gates_from."""
     fused = FusedWeights(torch.cat([layer.weight.detach() for layer in layers]),
                          tuple(layer.out_features for layer in layers))
+    if gate is not None and gate.fc1 is not None:
+        w = gate.fc2.weight.detach()
+        fused.gate_out = w.t().to(torch.promote_types(w.dtype, torch.float32)).contiguous()
     if compressors is not None and compressors[0].kind == "mlp":
         k, v = compressors
         fused.phi_pos = torch.stack([k.pos.detach(), v.pos.detach()])
@@ -45,6 +52,16 @@ def fuse(layers: tuple[nn.Linear, ...], compressors: tuple[nn.Module, nn.Module]
 def input_projections(fused: FusedWeights, x: torch.Tensor) -> list[torch.Tensor]:
     """Each input map of x [..., dim], from one matmul."""
     return list(F.linear(x, fused.w_in).split(fused.widths, dim=-1))
+
+
+def gates_from(fused: FusedWeights, gate: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """GateMLP.finish(h) in at least float32, its second layer as a product and a sum over the hidden units: torch.compile
+    fuses that with the SiLU and the sigmoid into one kernel, where a matmul this small was a launch of its own
+    (~5 us a layer at decode batch sizes on an H100, plus the two around it)."""
+    if fused.gate_out is None:
+        return gate.finish(h)
+    logits = (F.silu(h.to(fused.gate_out.dtype))[..., :, None] * fused.gate_out).sum(-2)
+    return torch.sigmoid(logits).view(*h.shape[:-1], gate.n_heads, -1)
 
 
 def compress_pair(fused: FusedWeights, blocks: torch.Tensor) -> torch.Tensor:

@@ -73,14 +73,15 @@ class NSAAttention(nn.Module):
         return self.project_from(*(layer(x) for layer in self.input_layers), cos, sin)
 
     def project_from(self, q_lin: torch.Tensor, kv_lin: torch.Tensor, gate_lin: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor) -> dict[str, torch.Tensor]:
-        """project() given the outputs of input_layers (which a decode step computes as one matmul)."""
+                     sin: torch.Tensor, gates: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """project() given the outputs of input_layers (which a decode step computes as one matmul); `gates`, if
+        given, stands for self.gate.finish(gate_lin) (a decode step computes it its own way)."""
         b, t, _ = q_lin.shape
         q = apply_rope(q_lin.view(b, t, self.n_heads, self.head_dim), cos, sin)
         kv = kv_lin.view(b, t, self.n_kv_sets, 2, self.n_kv_heads, self.head_dim)
         keys = apply_rope(kv[:, :, :, 0].flatten(2, 3), cos, sin).view(b, t, self.n_kv_sets, self.n_kv_heads, -1)
         values = kv[:, :, :, 1]
-        out = {"q": q, "gates": self.gate.finish(gate_lin)}
+        out = {"q": q, "gates": self.gate.finish(gate_lin) if gates is None else gates}
         for i, branch in enumerate(BRANCHES):
             kv_set = i % self.n_kv_sets  # with shared_kv every branch reads set 0
             out[f"k_{branch}"] = keys[:, :, kv_set]
