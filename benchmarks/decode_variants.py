@@ -12,15 +12,13 @@ blocks must equal the shipped one's and its output must agree. Run on a GPU from
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nsa.bench.common import format_table, print_row, time_cuda
+from nsa.bench.common import format_table, kernel_variant, print_row, time_cuda
 
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/decode.py"
 HEADS, GROUPS, DIM = 12, 2, 64
@@ -43,18 +41,7 @@ COLUMNS = ["variant", "batch", "us", "kernels_us"]
 
 
 def load_variant(name: str, edits: list[tuple[str, str]], folder: Path):
-    text = SOURCE.read_text().replace("from .", "from nsa.ops.triton.")
-    for old, new in edits:
-        if text.count(old) < 1:
-            raise SystemExit(f"variant {name!r}: {old!r} is not in {SOURCE}")
-        text = text.replace(old, new)
-    path = folder / f"decode_variant_{abs(hash(name))}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
+    return kernel_variant(SOURCE, name, edits, folder)
 
 
 def make_cache(batch: int, context: int) -> dict:

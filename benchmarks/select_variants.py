@@ -10,15 +10,13 @@ only attribute time. Run on a GPU from the repository root:
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from nsa.bench.attention import HP, SHAPES, make_inputs
-from nsa.bench.common import format_table, print_row, time_cuda
+from nsa.bench.common import format_table, kernel_variant, print_row, time_cuda
 from nsa.ops.triton.range_attention import MODE_CMP, range_attention_fwd
 
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/selection.py"
@@ -35,20 +33,7 @@ VARIANTS = {
 
 
 def load_variant(name: str, edits: list[tuple[str, str]], folder: Path):
-    text = SOURCE.read_text()
-    text = text.replace("from .common import", "from nsa.ops.triton.common import")
-    text = text.replace("from .tuning import", "from nsa.ops.triton.tuning import")
-    for old, new in edits:
-        if old not in text:
-            raise SystemExit(f"variant {name!r}: {old!r} is not in {SOURCE}")
-        text = text.replace(old, new)
-    path = folder / f"selection_variant_{abs(hash(name))}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
+    return kernel_variant(SOURCE, name, edits, folder)
 
 
 def main() -> None:
