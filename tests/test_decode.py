@@ -391,6 +391,32 @@ def test_bench_decode_runs_on_cpu_and_reports_the_reads(tmp_path, capsys):
     assert float(rows["dense"]["reads_per_group"]) == 332
 
 
+def test_bench_decode_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    # A GPU call's time limit or Ctrl-C during the second row: the first row is already in the CSV and JSON.
+    import csv
+    import json
+
+    from nsa.bench import decode as bench_decode
+
+    measured = []
+
+    def measure_then_stop(*args, **kwargs):
+        if measured:
+            raise KeyboardInterrupt
+        measured.append(bench_decode_measure(*args, **kwargs))
+        return measured[-1]
+
+    bench_decode_measure = bench_decode.measure
+    monkeypatch.setattr(bench_decode, "measure", measure_then_stop)
+    args = ["bench", "decode", "model.n_layers=1", "model.dim=64", "model.mlp_hidden=64", "model.vocab_size=97",
+            "--contexts", "40", "--batches", "1", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(args) == 130  # the CLI's exit status for Ctrl-C
+    rows = list(csv.DictReader(open(tmp_path / "decode.csv")))
+    assert [(r["attention"], r["context"]) for r in rows] == [("nsa", "40")] and float(rows[0]["step_ms"]) > 0
+    assert rows[0]["speedup"] == ""  # its dense row never landed
+    assert json.loads((tmp_path / "decode.json").read_text())["rows"][0]["step_ms"] == measured[0]["step_ms"]
+
+
 def test_decoding_from_an_empty_cache_without_prefill_equals_the_full_forward():
     # The host's lengths start at 0 with the cache, so the steps that complete a block still emit it.
     model = tiny_model(seed=6)

@@ -254,15 +254,15 @@ def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = Tr
     meta = environment() | {"hyperparameters": HP, "dtype": "bfloat16", "batch": batch,
                             "shapes": {s: SHAPES[s] for s in shapes}}
     print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  git {meta['git']}")
-    rows = []
+    rows, paths = [], ()
     for shape in shapes:
         for T in lengths:
             rows.append(compare(shape, T, backward, use_fla, batch))
             print_row(rows[-1], list(rows[-1]))
+            paths = write_results(rows, out_dir, "attention", meta)  # so far: a run cut short keeps its rows
     columns = ["shape", "T", "nsa_fwd_ms", "dense_fwd_ms", "fla_fwd_ms", "speedup_fwd", "nsa_fwdbwd_ms",
                "dense_fwdbwd_ms", "fla_fwdbwd_ms", "speedup_fwdbwd", "vs_fla_fwdbwd"]
     print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
-    paths = write_results(rows, out_dir, "attention", meta)
     for T in breakdown_at or []:
         parts = [r for shape in shapes for r in components(shape, T, batch)]
         print("\n" + format_table(parts, ["shape", "T", "stage", "ms"]))

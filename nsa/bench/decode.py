@@ -139,21 +139,28 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
                             "dtype": "bf16" if dev.type == "cuda" else "fp32", "cuda_graphs": dev.type == "cuda",
                             "compiled": compile}
     print(f"{meta['device']}  torch {meta['torch']}", flush=True)
-    rows = []
+    name = "decode_compiled" if compile else "decode"
+    rows, paths = [], ()
     for b in batches:
         for T in contexts:
             for a in attentions:
-                # Each row takes minutes with --compile (compiles and graph captures): show it as it lands.
+                # Each row takes minutes with --compile (compiles and graph captures): show it as it lands, and
+                # write the results so far, so that a run cut short keeps every row it measured.
                 rows.append(measure(cfg, a, T, b, steps, dev, compile, out_dir if profile else None))
                 print_row(rows[-1], PROGRESS_COLUMNS)
+                paths = write_results(_with_ratios(rows), out_dir, name, meta)
+    columns = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup",
+               "layer_attention_ms", "attention_speedup", "reads_per_group", "kernels_per_step"]
+    print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
+    print("wrote " + ", ".join(map(str, paths)))
+    return rows
+
+
+def _with_ratios(rows: list[dict]) -> list[dict]:
+    """rows with each one's speed-ups over the dense row of its context and batch (None until that one lands)."""
     for row in rows:
         dense = next((r for r in rows if r["attention"] == "dense" and r["context"] == row["context"]
                       and r["batch"] == row["batch"]), None)
         row["speedup"] = dense["step_ms"] / row["step_ms"] if dense else None
         row["attention_speedup"] = dense["layer_attention_ms"] / row["layer_attention_ms"] if dense else None
-    columns = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup",
-               "layer_attention_ms", "attention_speedup", "reads_per_group", "kernels_per_step"]
-    print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
-    paths = write_results(rows, out_dir, "decode_compiled" if compile else "decode", meta)
-    print("wrote " + ", ".join(map(str, paths)))
     return rows

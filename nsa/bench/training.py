@@ -107,6 +107,14 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
     return row
 
 
+def _with_ratios(rows: list[dict]) -> list[dict]:
+    """rows with each one's tokens/s over the dense row of its length (None until that one lands)."""
+    for row in rows:
+        dense = next((r for r in rows if r["attention"] == "dense" and r["seq_len"] == row["seq_len"]), None)
+        row["vs_dense"] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
+    return rows
+
+
 def run(config: str | None, overrides: list[str], seq_lens: list[int], attentions: list[str], batch_tokens: int,
         steps: int, warmup: int, out_dir: str, profile: bool = False) -> list[dict]:
     if not torch.cuda.is_available():
@@ -114,24 +122,24 @@ def run(config: str | None, overrides: list[str], seq_lens: list[int], attention
     info = init_distributed("auto", 600.0, allow_single_process=True)
     finished = False
     try:
-        rows = []
+        meta = environment() | {"config": config or "defaults", "overrides": overrides,
+                                "batch_tokens_per_rank": batch_tokens, "steps": steps, "warmup": warmup}
+        name = f"train_{info.world_size}rank"
+        rows, paths = [], ()
         for T in seq_lens:
             for a in attentions:
-                # A row compiles the model and runs its steps (minutes at 32k): show it as it lands.
+                # A row compiles the model and runs its steps (minutes at 32k): show it as it lands, and write the
+                # results so far, so that a run cut short keeps every row it measured.
                 rows.append(measure(config, overrides, a, T, batch_tokens, steps, warmup, info,
                                     out_dir if profile else None))
                 if info.is_main:
                     print_row(rows[-1], PROGRESS_COLUMNS)
-        for row in rows:
-            dense = next((r for r in rows if r["attention"] == "dense" and r["seq_len"] == row["seq_len"]), None)
-            row["vs_dense"] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
+                    paths = write_results(_with_ratios(rows), out_dir, name, meta)
+        _with_ratios(rows)
         if info.is_main:
-            meta = environment() | {"config": config or "defaults", "overrides": overrides,
-                                    "batch_tokens_per_rank": batch_tokens, "steps": steps, "warmup": warmup}
             print(f"\n{meta['device']}  torch {meta['torch']}  ranks {info.world_size}")
             print(format_table(rows, ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "tokens_per_s",
                                       "vs_dense", "mfu", "peak_mem_gb", "step_ms", "health_ms", "health_cost"]))
-            paths = write_results(rows, out_dir, f"train_{info.world_size}rank", meta)
             print("wrote " + ", ".join(map(str, paths)))
         finished = True
         return rows
