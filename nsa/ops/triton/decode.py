@@ -21,6 +21,8 @@ group) would leave the GPU nearly idle at batch 1. The work is split instead, in
   D. one program per (sequence, group, 16 output columns): merges the selected and window partials
      and forms the gated sum; it also counts the key/value tokens read.
 Only the compressed stream, the chosen blocks and the window are loaded: Nc(t) + n*l' + w tokens.
+Partials hold the h real heads only (their readers mask the padded rows), and the ranking kernels run
+on 2 warps. benchmarks/decode_variants.py times each launch against copies with one change undone.
 """
 
 from __future__ import annotations
