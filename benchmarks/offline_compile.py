@@ -1,52 +1,101 @@
-"""Compile the selection kernel for sm_90 without a GPU: registers, shared memory and the SASS instruction mix.
+"""Compile an NSA kernel for sm_90 without a GPU: registers, spills, shared memory and the SASS instruction mix.
 
-    python benchmarks/offline_compile.py [BLOCK_T] [HEADS] [HEAD_DIM]
+    python benchmarks/offline_compile.py KERNEL [NAME=VALUE ...] [--warps N] [--stages N]
 
-Integer arguments are compiled without Triton's divisible-by-16 specialisation, so loads show narrower than
-on the GPU; registers and the mix of the arithmetic are what this is for.
+KERNEL is one of the names below (or `all`: each with its own constants) (M7C's shapes: head dim 64, 6 heads per key/value group); NAME=VALUE overrides a
+compile-time constant (e.g. BLOCK_R=32). Integer arguments are compiled without Triton's divisible-by-16
+specialisation, so loads show narrower than on the GPU; registers, spills (stack bytes, LDL/STL) and the mix of the
+arithmetic are what this is for: a kernel that spills on the GPU shows it here first.
 """
 
+from __future__ import annotations
+
+import argparse
+import os
 import re
-import sys
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nsa.ops.triton import selection
+from nsa.ops.triton import decode, selected_attention, selection
 
-block_t = int(sys.argv[1]) if len(sys.argv) > 1 else 16
-heads = int(sys.argv[2]) if len(sys.argv) > 2 else 6
-dk = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-kernel = selection._select_kernel
-names = list(kernel.arg_names)
-consts = {"DK": dk, "BLOCK_DK": dk, "BLOCK_T": block_t, "HP": triton.next_power_of_2(heads), "K": 16, "C": 64}
-sig = {}
-for n in names:
-    if n in consts:
-        sig[n] = "constexpr"
-    elif n in ("Q", "KC"):
-        sig[n] = "*bf16"
-    elif n == "LSE":
-        sig[n] = "*fp32"
-    elif n == "IDX":
-        sig[n] = "*i64"
-    elif n == "scale_log2":
-        sig[n] = "fp32"
-    else:
-        sig[n] = "i32"
-src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items() if k in names})
-ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-ptx = ck.asm["ptx"]
-import os, subprocess, tempfile
-bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(ck.asm["cubin"]); f.flush()
-    usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-print(" ".join(l.strip() for l in usage.splitlines() if "REG" in l), "shared", ck.metadata.shared)
-print("SASS instructions:", len(re.findall(r"/\*[0-9a-f]{4}\*/", sass)), "HMMA:", sass.count("HMMA"), "MUFU.EX2:", sass.count("MUFU.EX2"),
-      "SHFL:", sass.count("SHFL"), "BAR:", sass.count("BAR.SYNC"), "STS:", sass.count("STS"), "LDS:", sass.count("LDS"), "FFMA:", sass.count("FFMA"), "LDL/STL:", sass.count("LDL")+sass.count("STL"))
-print("mma.sync:", len(re.findall(r"mma.sync", ptx)), "wgmma:", len(re.findall(r"wgmma.mma_async", ptx)),
-      "ex2:", len(re.findall(r"ex2.approx", ptx)), "shfl:", len(re.findall(r"shfl.sync", ptx)),
-      "bar.sync:", len(re.findall(r"bar.sync", ptx)), "fma.rn.f32:", len(re.findall(r"fma.rn.f32", ptx)))
+BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
+DIMS = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64)
+# kernel: (function, constexprs, pointer types, float scalars); every other argument is an i32 scalar.
+KERNELS = {
+    "select": (selection._select_kernel, dict(DK=64, BLOCK_DK=64, BLOCK_T=16, HP=8, K=16, C=64, R=4),
+               dict(Q=BF16, KC=BF16, LSE=F32, IDX=I64), ("scale_log2",)),
+    "sel_fwd_partial": (selected_attention._sel_fwd_partial_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64),
+                        dict(Q=BF16, K=BF16, V=BF16, OPART=BF16, LSEPART=F32, ITEM_KEY=I32, ITEM_START=I32,
+                             ITEM_COUNT=I32, ENTRIES=I32), ("scale_log2",)),
+    "sel_bwd": (selected_attention._sel_bwd_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64, WRITE_DQ=True),
+                dict(Q=BF16, K=BF16, V=BF16, DO=BF16, GATE=BF16, LSE=F32, DELTA=F32, DKo=F32, DVo=F32, DQPART=BF16,
+                     ITEM_KEY=I32, ITEM_START=I32, ITEM_COUNT=I32, ENTRIES=I32), ("scale_log2", "scale")),
+    "finalize": (selected_attention._finalize_kernel, dict(MERGE=True, DV=64, BLOCK_DV=64, BLOCK_M=64),
+                 dict(OPART=BF16, LSEPART=F32, IDX=I64, O_CMP=BF16, O_WIN=BF16, GATES=BF16, O=BF16, O_SEL=BF16,
+                      LSE_SEL=F32), ()),
+    "reduce_dq": (selected_attention._reduce_dq_kernel, dict(DK=64, BLOCK_DK=64, BLOCK_M=64),
+                  dict(DQPART=BF16, IDX=I64, DQ=F32), ()),
+    "decode_chunk": (decode._chunk_kernel, dict(**DIMS, HP=16, K=16, C=64, R=4),
+                     dict(Q=BF16, KC=BF16, VC=BF16, NCMP=I64, PM=F32, PL=F32, PACC=F32, PSC=F32), ("scale_log2",)),
+    "decode_select_part": (decode._select_part_kernel, dict(HP=16, BLOCK_DV=64, K=16, CT=8, PT=8, PTS=64),
+                           dict(PM=F32, PL=F32, PACC=F32, PSC=F32, POS=I64, PK=I64, GM=F32, GL=F32, GACC=F32), ()),
+    "decode_select_merge": (decode._select_merge_kernel, dict(HP=16, BLOCK_DV=64, K=16, CT=8, PT=8),
+                            dict(GM=F32, GL=F32, GACC=F32, PK=I64, POS=I64, OCMP=F32, IDX=I64), ()),
+    "decode_span": (decode._span_kernel, dict(**DIMS, HP=16, BLOCK_N=64),
+                    dict(Q=BF16, KS=BF16, VS=BF16, KW=BF16, VW=BF16, POS=I64, IDX=I64, PM=F32, PL=F32, PACC=F32,
+                         PR=I32), ("scale_log2",)),
+    "decode_combine": (decode._combine_kernel, dict(DV=64, BLOCK_DV=64, HP=16, PS=16, PW=8, DVT=16, NPP=32),
+                       dict(GATE=BF16, NCMP=I64, OCMP=F32, PM=F32, PL=F32, PACC=F32, PR=I32, O=BF16, READS=I64), ()),
+}
+
+
+def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
+    kernel, consts, pointers, floats = KERNELS[name]
+    consts = consts | overrides
+    names = list(kernel.arg_names)
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in floats else "i32") for n in names}
+    src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items() if k in names})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def report(compiled) -> str:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        run = lambda *a: subprocess.run([os.path.join(bindir, "cuobjdump"), *a, f.name],  # noqa: E731
+                                        capture_output=True, text=True).stdout
+        usage, sass = run("--dump-resource-usage"), run("-sass")
+    instructions = len(re.findall(r"/\*[0-9a-f]{4,6}\*/", sass))
+    regs = re.search(r"REG:(\d+)", usage).group(1)
+    stack = re.search(r"STACK:(\d+)", usage).group(1)
+    return (f"registers {regs}  spill stack {stack} B  LDL/STL {sass.count('LDL') + sass.count('STL')}  "
+            f"shared {compiled.metadata.shared} B  SASS {instructions}  "
+            f"MMA {sass.count('HMMA') + sass.count('HGMMA')}  MUFU.EX2 {sass.count('MUFU.EX2')}  "
+            f"BAR {sass.count('BAR.SYNC')}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", choices=sorted(KERNELS) + ["all"])
+    ap.add_argument("overrides", nargs="*", help="NAME=VALUE compile-time constants (integers or True/False)")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=2)
+    args = ap.parse_args()
+    overrides = {}
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if not value:
+            raise SystemExit(f"offline_compile: expected NAME=VALUE, got {item!r}")
+        overrides[key] = {"True": True, "False": False}.get(value) if value in ("True", "False") else int(value)
+    for name in KERNELS if args.kernel == "all" else [args.kernel]:
+        print(name, f"warps {args.warps}", *args.overrides, "\n  " + report(
+            compile_kernel(name, overrides, args.warps, args.stages)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,12 @@
-"""benchmarks/select_variants.py and decode_variants.py time the kernels against copies with one source edit
-each: every edit must still find its text in the shipped kernel file, and every edited copy must import (its
-kernels compile on the GPU, where the scripts run)."""
+"""The kernel tools in benchmarks/ keep up with the kernels. select_variants.py and decode_variants.py time the
+kernels against copies with one source edit each: every edit must still find its text in the shipped kernel file,
+and every edited copy must import (its kernels compile on the GPU, where the scripts run). offline_compile.py must
+build every kernel it lists for sm_90."""
 
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,3 +37,14 @@ def test_a_stale_edit_is_refused(tmp_path):
     script = _script("decode_variants")
     with pytest.raises(SystemExit, match="is not in"):
         script.load_variant("stale", [("text the kernels no longer contain", "x")], tmp_path)
+
+
+def test_offline_compile_builds_every_listed_kernel_for_sm90():
+    # benchmarks/offline_compile.py names each kernel's arguments: a kernel whose signature changed must be
+    # updated there too. It compiles for sm_90 with Triton's own ptxas (no GPU), outside the interpreter.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "offline_compile.py"), "all"], capture_output=True,
+                         text=True, env=env, timeout=600, cwd=BENCHMARKS.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    reports = re.findall(r"registers \d+  spill stack \d+ B  LDL/STL \d+  shared \d+ B  SASS \d+", out.stdout)
+    assert len(reports) == len(_script("offline_compile").KERNELS), out.stdout

@@ -339,7 +339,9 @@ def _token_launch(q: torch.Tensor, h: int, sel_block: int) -> dict:
 
 
 def _row_launch(q: torch.Tensor) -> dict:
-    return dict(BLOCK_M=64, num_warps=4) if q.device.type == "cuda" else dict(BLOCK_M=16, num_warps=1)
+    if q.device.type != "cuda":
+        return dict(BLOCK_M=16, num_warps=1)
+    return dict(BLOCK_M=TUNING.row_block_m, num_warps=TUNING.row_warps)
 
 
 def selected_path(seq_len: int, heads_per_group: int, sel_block: int) -> str:

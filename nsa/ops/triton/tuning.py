@@ -56,6 +56,9 @@ class Tuning:
     sel_block_r: int = 64
     """(query, head) rows per inner step of the block-centric selected-branch kernels."""
     sel_warps: int = 4
+    row_block_m: int = 64
+    """(token, head) rows per program of the selected branch's merge-and-gated-sum and dQ-reduction kernels."""
+    row_warps: int = 4
     inverse_chunk: int = 256
     """(query, slot) entries per work item of the block-centric selected-branch kernels (4 under the interpreter)."""
 
