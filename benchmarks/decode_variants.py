@@ -19,10 +19,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nsa.bench.common import format_table, kernel_variant, print_row, time_cuda
+from nsa.bench.decode import graphed
 
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/decode.py"
 HEADS, GROUPS, DIM = 12, 2, 64
-HYPER = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+HYPER = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512, scale=DIM**-0.5)
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "as shipped": [],
     "ranking kernels 4 warps": [("rank_warps = dict(num_warps=2 if", "rank_warps = dict(num_warps=4 if")],
@@ -30,10 +31,12 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "values loaded after the scores": [
         ("k, v = load_tile(KC + base, off, dk, ci_ok, DK), load_tile(VC + base, off, dv, ci_ok, DV)",
          "k = load_tile(KC + base, off, dk, ci_ok, DK)"),
-        ("acc = tl.dot(p.to(v.dtype), v)", "v = load_tile(VC + base, off, dv, ci_ok, DV)\n    acc = tl.dot(p.to(v.dtype), v)"),
+        ("acc = tl.dot(p.to(v.dtype), v)",
+         "v = load_tile(VC + base, off, dv, ci_ok, DV)\n    acc = tl.dot(p.to(v.dtype), v)"),
         ("k, v = load_tile(kp, off, dk, ok, DK), load_tile(vp, off, dv, ok, DV)", "k = load_tile(kp, off, dk, ok, DK)"),
         ("p = tl.exp2(s - tl.where(m == float(\"-inf\"), 0.0, m)[:, None])\n    row",
-         "p = tl.exp2(s - tl.where(m == float(\"-inf\"), 0.0, m)[:, None])\n    v = load_tile(vp, off, dv, ok, DV)\n    row"),
+         "p = tl.exp2(s - tl.where(m == float(\"-inf\"), 0.0, m)[:, None])\n"
+         "    v = load_tile(vp, off, dv, ok, DV)\n    row"),
     ],
     "general overlaps (no two-weight stencil)": [("R = stencil_rank(block_len, block_stride, sel_block)", "R = 0")],
 }
@@ -69,15 +72,6 @@ def kernel_times_us(fn, repeats: int = 20) -> str:
                     for e in events if e.count >= repeats)
 
 
-def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("context", nargs="?", type=int, default=65536)
@@ -90,8 +84,7 @@ def main() -> None:
             cache = make_cache(batch, args.context)
             shipped = None
             for name, module in modules.items():
-                hyper = dict(HYPER, scale=DIM**-0.5)
-                call = lambda: module.decode_attention_triton(**cache, **hyper)  # noqa: E731
+                call = lambda: module.decode_attention_triton(**cache, **HYPER)  # noqa: E731
                 out, _ = call()
                 chosen = cache["selected"].clone()
                 if shipped is None:

@@ -2,8 +2,8 @@
 
     python benchmarks/offline_compile.py KERNEL [NAME=VALUE ...] [--warps N] [--stages N]
 
-KERNEL is one of the names below (or `all`: each with its own constants) (M7C's shapes: head dim 64, 6 heads per key/value group); NAME=VALUE overrides a
-compile-time constant (e.g. BLOCK_R=32). Integer arguments are compiled without Triton's divisible-by-16
+KERNEL is one of the names below, at M7C's shapes (head dim 64, 6 heads per key/value group), or `all` (each with
+its own constants); NAME=VALUE overrides a compile-time constant (e.g. BLOCK_R=32). Integer arguments are compiled without Triton's divisible-by-16
 specialisation, so loads show narrower than on the GPU; registers, spills (stack bytes, LDL/STL) and the mix of the
 arithmetic are what this is for: a kernel that spills on the GPU shows it here first.
 """

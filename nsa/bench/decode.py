@@ -32,7 +32,7 @@ PROFILE_STEPS = 5
 """Decode steps run under the profiler with --profile (the kernel count is their mean)."""
 
 
-def _graphed(fn: Callable[[], object], use_graph: bool) -> Callable[[], object]:
+def graphed(fn: Callable[[], object], use_graph: bool = True) -> Callable[[], object]:
     """fn captured in a CUDA graph (warmed up on a side stream first), or fn itself."""
     if not use_graph:
         return fn
@@ -86,7 +86,7 @@ def _layer_attention_ms(model: Transformer, cache, batch: int, reps: int, cuda: 
                                       n_sel=nsa.n_sel, window=nsa.window)
     else:
         fn = lambda: dense_decode_attention(q, layer, positions)  # noqa: E731
-    return _median_ms(_graphed(fn, cuda), reps, cuda)
+    return _median_ms(graphed(fn, cuda), reps, cuda)
 
 
 PROGRESS_COLUMNS = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "layer_attention_ms"]
