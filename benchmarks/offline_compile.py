@@ -3,9 +3,11 @@
     python benchmarks/offline_compile.py KERNEL [NAME=VALUE ...] [--warps N] [--stages N]
 
 KERNEL is one of the names below, at M7C's shapes (head dim 64, 6 heads per key/value group), or `all` (each with
-its own constants); NAME=VALUE overrides a compile-time constant (e.g. BLOCK_R=32). Integer arguments are compiled without Triton's divisible-by-16
-specialisation, so loads show narrower than on the GPU; registers, spills (stack bytes, LDL/STL) and the mix of the
-arithmetic are what this is for: a kernel that spills on the GPU shows it here first.
+its own constants); NAME=VALUE overrides a compile-time constant (e.g. BLOCK_R=32). Pointers and the integer arguments that are multiples
+of 16 at M7C's shapes get Triton's divisible-by-16 specialisation, as on the GPU. Registers, spills (stack bytes,
+LDL/STL) and the mix of the arithmetic are what this is for: a kernel that spills on the GPU shows it here first.
+"GPU fences" counts GPU-wide memory barriers: Triton's atomics default to acq_rel, which puts one (and an L1
+invalidation) around every atomic instruction; the kernels' float32 reductions ask for relaxed ones.
 """
 
 from __future__ import annotations
@@ -20,10 +22,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nsa.ops.triton import decode, selected_attention, selection
+from nsa.ops.triton import decode, range_attention, selected_attention, selection
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 DIMS = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64)
+# Integer arguments that are multiples of 16 at M7C's shapes (T = 65,536; strides of contiguous [B,T,H,64] and
+# [B,T,G,64] tensors, the selection's [B,T,G,16] indices): Triton specialises those on the GPU, and the wider loads
+# it then emits change the register count. Gate (t, h) and log-sum-exp t strides (36, 3, 12) are not.
+DIVISIBLE = {
+    *(f"s{t}{d}" for t in ("q", "do", "o", "dq", "k", "v", "dk", "dv", "c", "s", "w") for d in "btghc"),
+    "sgb", "slb", "sib", "sit", "sig", "T", "NS", "n", "n_sel", "sel_block", "block_len", "block_stride", "window",
+    "rows_per_split", "chunk_tokens",
+} - {"sgt", "sgh", "sgc"}
 # kernel: (function, constexprs, pointer types, float scalars); every other argument is an i32 scalar.
 KERNELS = {
     "select": (selection._select_kernel, dict(DK=64, BLOCK_DK=64, BLOCK_T=16, HP=8, K=16, C=64, R=4),
@@ -39,6 +49,13 @@ KERNELS = {
                       LSE_SEL=F32), ()),
     "reduce_dq": (selected_attention._reduce_dq_kernel, dict(DK=64, BLOCK_DK=64, BLOCK_M=64),
                   dict(DQPART=BF16, IDX=I64, DQ=F32), ()),
+    **{f"range_{kind}_{mode}": (kernel, dict(**DIMS, MODE=m, BLOCK_M=128, BLOCK_N=64, ONE_BLOCK=m == 2) | extra,
+                                 dict(Q=BF16, K=BF16, V=BF16, O=BF16, LSE=F32, IDX=I64, DO=BF16, GATE=BF16,
+                                      DELTA=F32, DQ=F32, DKo=F32, DVo=F32), ("scale_log2", "scale"))
+       for kind, kernel, extra in (("fwd", range_attention._range_fwd_kernel, {}),
+                                   ("dq", range_attention._range_bwd_dq_kernel, dict(ACCUMULATE=True)),
+                                   ("dkdv", range_attention._range_bwd_dkdv_kernel, dict(ATOMIC=True)))
+       for m, mode in enumerate(("cmp", "win", "sel"))},
     "decode_chunk": (decode._chunk_kernel, dict(**DIMS, HP=16, K=16, C=64, R=4),
                      dict(Q=BF16, KC=BF16, VC=BF16, NCMP=I64, PM=F32, PL=F32, PACC=F32, PSC=F32), ("scale_log2",)),
     "decode_select_part": (decode._select_part_kernel, dict(HP=16, BLOCK_DV=64, K=16, CT=8, PT=8, PTS=64),
@@ -58,7 +75,11 @@ def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
     consts = consts | overrides
     names = list(kernel.arg_names)
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in floats else "i32") for n in names}
-    src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items() if k in names})
+    divisible = (DIVISIBLE | ({"NK"} if consts.get("MODE", 0) else set())) - (
+        {"sit", "sig"} if consts.get("MODE") == 2 else set())  # MODE_SEL's chosen bits are [B,T,G] int64
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] != "constexpr" and (sig[n].startswith("*") or n in divisible)}
+    src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items() if k in names}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
@@ -76,7 +97,8 @@ def report(compiled) -> str:
     return (f"registers {regs}  spill stack {stack} B  LDL/STL {sass.count('LDL') + sass.count('STL')}  "
             f"shared {compiled.metadata.shared} B  SASS {instructions}  "
             f"MMA {sass.count('HMMA') + sass.count('HGMMA')}  MUFU.EX2 {sass.count('MUFU.EX2')}  "
-            f"BAR {sass.count('BAR.SYNC')}")
+            f"BAR {sass.count('BAR.SYNC')}  LDGSTS {sass.count('LDGSTS')}  LDG {sass.count('LDG.')}  "
+            f"GPU fences {sass.count('MEMBAR.ALL.GPU') + sass.count('MEMBAR.SC.GPU')}")
 
 
 def main() -> None:

@@ -48,3 +48,7 @@ def test_offline_compile_builds_every_listed_kernel_for_sm90():
     assert out.returncode == 0, out.stderr[-2000:]
     reports = re.findall(r"registers \d+  spill stack \d+ B  LDL/STL \d+  shared \d+ B  SASS \d+", out.stdout)
     assert len(reports) == len(_script("offline_compile").KERNELS), out.stdout
+    # Atomic adds are relaxed: an acq_rel one (Triton's default) fences the whole GPU around each instruction
+    # (measured: the selected backward 8% slower at 64k).
+    fences = re.findall(r"GPU fences (\d+)", out.stdout)
+    assert len(fences) == len(reports) and set(fences) == {"0"}, out.stdout

@@ -175,13 +175,16 @@ SWEEP = {
     "range_warps": [8],
     "range_stages": [3],
     "range_block_m+range_block_n+range_warps": [(128, 128, 8), (64, 32, 4)],
-    "dq_block_m+dq_block_n+dq_warps": [(128, 32, 4), (64, 64, 4)],
+    "dq_block_m+dq_block_n+dq_warps": [(128, 32, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8)],
     "dkdv_block_m": [32, 64],
     "dkdv_block_m_wide": [32],
     "dkdv_block_n": [128],
     "dkdv_warps": [8],
     "dkdv_stages": [3],
     "dkdv_block_n+dkdv_block_m+dkdv_warps+dkdv_stages": [(128, 32, 4, 3), (32, 128, 4, 2), (64, 64, 4, 3)],
+    # Compiled offline for sm_90 (benchmarks/offline_compile.py) the defaults spill ~450 B and these next to none, yet
+    # measured slower (H100, tenth session: 64k 22.2 -> 25.1 / 30.3 ms).
+    "dkdv_block_n+dkdv_block_m+dkdv_warps": [(128, 64, 8), (64, 64, 8)],
     "sel_block_r": [32, 128],
     "sel_warps": [8],
     "sel_block_r+sel_warps": [(128, 8), (32, 8)],

@@ -333,9 +333,12 @@ def _range_bwd_dkdv_kernel(
     dk_off = b * sdkb + g * sdkg + kidx * sdkt
     dv_off = b * sdvb + g * sdvg + kidx * sdvt
     if ATOMIC:  # several splits add into the same keys (float32, zero-initialised)
+        # Relaxed: a sum needs no ordering, and Triton's default (acq_rel) fences the whole GPU around each add.
         if row_start < split_hi:
-            tl.atomic_add(DKo + dk_off[:, None] + dk[None, :], dk_acc, mask=k_ok[:, None] & (dk[None, :] < DK))
-            tl.atomic_add(DVo + dv_off[:, None] + dv[None, :], dv_acc, mask=k_ok[:, None] & (dv[None, :] < DV))
+            tl.atomic_add(DKo + dk_off[:, None] + dk[None, :], dk_acc, mask=k_ok[:, None] & (dk[None, :] < DK),
+                          sem="relaxed")
+            tl.atomic_add(DVo + dv_off[:, None] + dv[None, :], dv_acc, mask=k_ok[:, None] & (dv[None, :] < DV),
+                          sem="relaxed")
     else:
         store_tile(DKo, dk_off, dk, k_ok, dk_acc, DK)
         store_tile(DVo, dv_off, dv, k_ok, dv_acc, DV)

@@ -296,10 +296,11 @@ def _sel_bwd_kernel(
             dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q)
             if WRITE_DQ:
                 store_tile(DQPART, (f * h + hh) * DK, dk, row_ok, tl.dot(ds.to(k.dtype), k) * scale, DK)
+        # Relaxed atomics: see range_attention's dK/dV kernel (measured 5.21 -> 4.80 ms here at M7C 64k, H100).
         tl.atomic_add(DKo + (b * sdkb + g * sdkg + kidx * sdkt)[:, None] + dk[None, :], dk_acc * scale,
-                      mask=k_ok[:, None] & (dk[None, :] < DK))
+                      mask=k_ok[:, None] & (dk[None, :] < DK), sem="relaxed")
         tl.atomic_add(DVo + (b * sdvb + g * sdvg + kidx * sdvt)[:, None] + dv[None, :], dv_acc,
-                      mask=k_ok[:, None] & (dv[None, :] < DV))
+                      mask=k_ok[:, None] & (dv[None, :] < DV), sem="relaxed")
 
 
 @triton.jit
