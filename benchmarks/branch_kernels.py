@@ -49,14 +49,13 @@ def case(T: int, B: int, mode: int, out: Path | None, with_flex: bool = True) ->
     NK = (T - L) // S + 1 if mode == ra.MODE_CMP else T
     rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, k, v, do = rnd(B, T, H, D), rnd(B, NK, G, D), rnd(B, NK, G, D), rnd(B, T, H, D)
-    gate = torch.ones(B, T, H, 3, device="cuda", dtype=torch.bfloat16)[..., 0]
     scale = D**-0.5
     o, lse = ra.range_attention_fwd(q, k, v, mode, scale, L, S, W)
-    delta = (o.float() * do.float()).sum(-1)
+    delta = (o.float() * do.float()).sum(-1)  # a gate of 1: lse and delta as gate_grads gives them
     dq = torch.empty(q.shape, device="cuda", dtype=torch.float32)
     row = {"branch": "compressed" if mode == ra.MODE_CMP else "window", "T": T, "batch": B}
     row["ours_fwd"] = time_cuda(lambda: ra.range_attention_fwd(q, k, v, mode, scale, L, S, W), queued=True)
-    row["ours_bwd"] = time_cuda(lambda: ra.range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode, False,
+    row["ours_bwd"] = time_cuda(lambda: ra.range_attention_bwd(q, k, v, do, lse, delta, dq, mode, False,
                                                                scale, L, S, W), queued=True)
     try:
         if not with_flex:
@@ -77,7 +76,7 @@ def case(T: int, B: int, mode: int, out: Path | None, with_flex: bool = True) ->
         row["flex_error"] = f"{type(err).__name__}: {err}"[:300]
     row["ours_fwdbwd"] = row["ours_fwd"] + row["ours_bwd"]
     if out:  # which of our two backward kernels the time goes to
-        profile_to_file(lambda: ra.range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode, False, scale, L, S, W),
+        profile_to_file(lambda: ra.range_attention_bwd(q, k, v, do, lse, delta, dq, mode, False, scale, L, S, W),
                         out / f"profile_bwd_{row['branch']}_{T}x{B}.txt", repeats=5, rows=8)
     return row
 

@@ -147,7 +147,8 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
     o_win, lse_win = range_attention_fwd(q, kw, vw, MODE_WIN, scale, l, d, w)
     _, o_sel, lse_sel = selected_forward(q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, lp)
     do = torch.randn_like(o_cmp)
-    _, delta = gate_grads(do, o_cmp, o_sel, o_win, gates)
+    lses = (lse_cmp, lse_sel, lse_win)
+    _, delta, lse_g = gate_grads(do, o_cmp, o_sel, o_win, gates, *lses)
     dq = torch.zeros(q.shape, device="cuda")
     stages = {
         "fwd: compressed attention": lambda: range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, w),
@@ -156,13 +157,13 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
         "fwd: window attention": lambda: range_attention_fwd(q, kw, vw, MODE_WIN, scale, l, d, w),
         "fwd: selected attention + gated sum": lambda: selected_forward(
             q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, lp),
-        "bwd: gate grads + deltas": lambda: gate_grads(do, o_cmp, o_sel, o_win, gates),
+        "bwd: gate grads + deltas": lambda: gate_grads(do, o_cmp, o_sel, o_win, gates, *lses),
         "bwd: selected (dk/dv + dq)": lambda: selected_backward(
-            q, ks, vs, idx, inv, do, gates[..., 1], lse_sel, delta[1], dq, scale, lp),
-        "bwd: window": lambda: range_attention_bwd(q, kw, vw, do, gates[..., 2], lse_win, delta[2], dq, MODE_WIN,
-                                                   True, scale, l, d, w),
-        "bwd: compressed": lambda: range_attention_bwd(q, kc, vc, do, gates[..., 0], lse_cmp, delta[0], dq, MODE_CMP,
-                                                       True, scale, l, d, w),
+            q, ks, vs, idx, inv, do, lse_g[1], delta[1], dq, scale, lp),
+        "bwd: window": lambda: range_attention_bwd(q, kw, vw, do, lse_g[2], delta[2], dq, MODE_WIN, True, scale,
+                                                   l, d, w),
+        "bwd: compressed": lambda: range_attention_bwd(q, kc, vc, do, lse_g[0], delta[0], dq, MODE_CMP, True, scale,
+                                                       l, d, w),
     }
     rows = [{"shape": shape, "T": T, "stage": name, "ms": _timed(fn, queued=True)} for name, fn in stages.items()]
     torch.cuda.empty_cache()
@@ -188,6 +189,7 @@ SWEEP = {
     "sel_block_r": [32, 128],
     "sel_warps": [8],
     "sel_block_r+sel_warps": [(128, 8), (32, 8)],
+    "sel_block_r_wide+sel_warps_wide": [(64, 4), (64, 8)],
     "row_block_m": [32, 128],
     "row_warps": [8],
     "inverse_chunk": [128, 512],

@@ -71,15 +71,16 @@ def nsa_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients for (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)."""
     do = do.contiguous()
-    dgates, delta = gate_grads(do, o_cmp, o_sel, o_win, gates)
+    # Each branch's gate comes folded into its lse and delta (see gating.py).
+    dgates, delta, lse_g = gate_grads(do, o_cmp, o_sel, o_win, gates, lse_cmp, lse_sel, lse_win)
     dq = torch.empty(q.shape, device=q.device, dtype=_F32)
     inverse = (item_key, item_start, item_count, entries)
-    dk_sel, dv_sel = selected_backward(q, k_sel, v_sel, indices, inverse, do, gates[..., 1], lse_sel, delta[1],
-                                       dq, scale, sel_block)
-    dk_win, dv_win = range_attention_bwd(q, k_win, v_win, do, gates[..., 2], lse_win, delta[2], dq,
-                                         MODE_WIN, True, scale, block_len, block_stride, window)
-    dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, do, gates[..., 0], lse_cmp, delta[0], dq,
-                                         MODE_CMP, True, scale, block_len, block_stride, window)
+    dk_sel, dv_sel = selected_backward(q, k_sel, v_sel, indices, inverse, do, lse_g[1], delta[1], dq, scale,
+                                       sel_block)
+    dk_win, dv_win = range_attention_bwd(q, k_win, v_win, do, lse_g[2], delta[2], dq, MODE_WIN, True, scale,
+                                         block_len, block_stride, window)
+    dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, do, lse_g[0], delta[0], dq, MODE_CMP, True, scale,
+                                         block_len, block_stride, window)
     grads = (dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win)
     inputs = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)
     return (*(g.to(x.dtype) for g, x in zip(grads, inputs)), dgates)

@@ -22,11 +22,10 @@ def store_tile(PTR, row_off, d, row_ok, value, D: tl.constexpr):
 
 
 @triton.jit
-def load_grad_rows(DO, GATE, LSE, DELTA, do_off, gate_off, lse_off, dv, row_ok, DV: tl.constexpr):
-    """For a branch's backward: (gate * do, the branch's lse in log2 units, its delta) of the given rows."""
-    gate = tl.load(GATE + gate_off, mask=row_ok, other=0.0).to(tl.float32)
+def load_grad_rows(DO, LSE, DELTA, do_off, lse_off, dv, row_ok, DV: tl.constexpr):
+    """For a branch's backward: (do, the branch's gated lse in log2 units, its delta) of the given rows (see
+    gating.gate_grads: the gate is folded into lse and delta, so do is loaded as it is)."""
     do = load_tile(DO, do_off, dv, row_ok, DV)
-    do = (do.to(tl.float32) * gate[:, None]).to(do.dtype)
     lse2 = tl.load(LSE + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
     return do, lse2, delta

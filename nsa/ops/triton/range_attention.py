@@ -203,8 +203,8 @@ def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last
 
 @triton.jit
 def _range_bwd_dq_kernel(
-    Q, K, V, DO, GATE, LSE, DELTA, DQ, IDX,
-    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
+    Q, K, V, DO, LSE, DELTA, DQ, IDX,
+    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
     sdqb, sdqt, sdqh, sib, sit, sig,
     T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block,
     MODE: tl.constexpr, ACCUMULATE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -216,8 +216,8 @@ def _range_bwd_dq_kernel(
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
-    do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
-                                     b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
+    do, lse2, delta = load_grad_rows(DO, LSE, DELTA, b * sdob + t * sdot + head * sdoh, b * slb + t * slt + head,
+                                     dv, row_ok, DV)
     lo, hi, k_start, k_end, chosen, a, e = _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE,
                                                      block_len, block_stride, window, BLOCK_M, BLOCK_N)
     k_base = b * skb + g * skg
@@ -237,8 +237,8 @@ def _range_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, first, last, split_hi,
-               sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
+def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h, first, last, split_hi,
+               sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sib, sit, sig,
                block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
                MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
                DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -249,8 +249,8 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h,
         t = (rows // h).to(tl.int64)
         head = (g * h + rows % h).to(tl.int64)
         q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
-        do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
-                                         b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
+        do, lse2, delta = load_grad_rows(DO, LSE, DELTA, b * sdob + t * sdot + head * sdoh, b * slb + t * slt + head,
+                                         dv, row_ok, DV)
         pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
             lo, hi = _key_range(t, MODE, block_len, block_stride, window)
@@ -271,8 +271,8 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h,
 
 @triton.jit
 def _range_bwd_dkdv_kernel(
-    Q, K, V, DO, GATE, LSE, DELTA, DKo, DVo, IDX,
-    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
+    Q, K, V, DO, LSE, DELTA, DKo, DVo, IDX,
+    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sib, sit, sig,
     T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
     MODE: tl.constexpr, ATOMIC: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -317,16 +317,16 @@ def _range_bwd_dkdv_kernel(
     a, e = _interior(row_start, tl.maximum(split_hi, row_start), f_lo * h, (f_hi + 1) * h - 1, BLOCK_M, True)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, row_start, a,
-                                split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
+    dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h, row_start, a,
+                                split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sib, sit, sig,
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
                                 True, MODE, ONE_BLOCK, DK, DV, BLOCK_M)
-    dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, a, e,
-                                split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
+    dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h, a, e,
+                                split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sib, sit, sig,
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
                                 False, MODE, ONE_BLOCK, DK, DV, BLOCK_M)
-    dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, GATE, LSE, DELTA, IDX, b, g, h, e, split_hi,
-                                split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, sib, sit, sig,
+    dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h, e, split_hi,
+                                split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sib, sit, sig,
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
                                 True, MODE, ONE_BLOCK, DK, DV, BLOCK_M)
     dk_acc = dk_acc * scale
@@ -416,13 +416,13 @@ def _dkdv_splits(total_rows: int, key_tiles: int, programs: int, block_m: int, d
     return max(1, triton.cdiv(total_rows, rows_per_split)), rows_per_split
 
 
-def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate: bool, scale: float,
+def range_attention_bwd(q, k, v, do, lse, delta, dq, mode: int, accumulate: bool, scale: float,
                         block_len: int, block_stride: int, window: int, bits: torch.Tensor | None = None,
                         sel_block: int = 0):
     """Adds this branch's dQ into dq (float32; overwrites it unless `accumulate`) and returns (dK, dV) in float32.
 
-    do is the gradient of the gated sum; gate [B,T,H] scales it to this branch's share.
-    delta [B,T,H] = rowsum(gate * do * o_branch).
+    do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
+    gating.gate_grads (lse - ln(gate), rowsum(do * o_branch)).
     """
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -432,12 +432,12 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
     strides = (
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        gate.stride(0), gate.stride(1), gate.stride(2), lse.stride(0), lse.stride(1),
+        lse.stride(0), lse.stride(1),
     )
     dims = dict(MODE=mode, **head_dims(Dk, Dv))
     cfg = _blocks(q, Dk, Dv, "dq")
     _range_bwd_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
-        q, k, v, do, gate, lse, delta, dq, idx, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *idx_strides,
+        q, k, v, do, lse, delta, dq, idx, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *idx_strides,
         *common, ACCUMULATE=accumulate, ONE_BLOCK=sel % cfg["BLOCK_N"] == 0, **dims, **cfg,
     )
     cfg = _blocks(q, Dk, Dv, "dkdv")
@@ -451,7 +451,7 @@ def range_attention_bwd(q, k, v, do, gate, lse, delta, dq, mode: int, accumulate
     dv_out = alloc(v.shape, device=v.device, dtype=torch.float32)
     if NK > 0:
         _range_bwd_dkdv_kernel[(key_tiles, splits, B * G)](
-            q, k, v, do, gate, lse, delta, dk_out, dv_out, idx, *strides,
+            q, k, v, do, lse, delta, dk_out, dv_out, idx, *strides,
             dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
             *idx_strides, *common, rows_per_split, ATOMIC=splits > 1,
             ONE_BLOCK=sel % cfg["BLOCK_N"] == 0, **dims, **cfg,

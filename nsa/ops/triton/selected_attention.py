@@ -92,13 +92,13 @@ def _item_rows(ENTRIES, start, r0, count, T, n, h, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _item_grad_rows(Q, DO, GATE, LSE, DELTA, b, g, h, t, hh, row_ok, sqb, sqt, sqh, sdob, sdot, sdoh, sgb, sgt, sgh,
+def _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t, hh, row_ok, sqb, sqt, sqh, sdob, sdot, sdoh,
                     slb, slt, dk, dv, DK: tl.constexpr, DV: tl.constexpr):
-    """The backward's gathered rows: q, the gated do, lse (log2 units) and delta."""
+    """The backward's gathered rows: q, do, the gated lse (log2 units) and delta."""
     head = (g * h + hh).to(tl.int64)
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
-    do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
-                                     b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
+    do, lse2, delta = load_grad_rows(DO, LSE, DELTA, b * sdob + t * sdot + head * sdoh, b * slb + t * slt + head,
+                                     dv, row_ok, DV)
     return q, do, lse2, delta
 
 
@@ -179,8 +179,8 @@ def _sel_token_fwd_kernel(
 
 @triton.jit
 def _sel_token_dq_kernel(
-    Q, K, V, IDX, DO, GATE, LSE, DELTA, DQ,
-    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sib, sit, sig, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
+    Q, K, V, IDX, DO, LSE, DELTA, DQ,
+    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sib, sit, sig, sdob, sdot, sdoh, slb, slt,
     sdqb, sdqt, sdqh,
     T, G, h, scale_log2, scale, sel_block, n_sel,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
@@ -192,8 +192,8 @@ def _sel_token_dq_kernel(
     dv = tl.arange(0, BLOCK_DV)
     lk = tl.arange(0, BLOCK_L)
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
-    do, lse2, delta = load_grad_rows(DO, GATE, LSE, DELTA, b * sdob + t * sdot + head * sdoh,
-                                     b * sgb + t * sgt + head * sgh, b * slb + t * slt + head, dv, row_ok, DV)
+    do, lse2, delta = load_grad_rows(DO, LSE, DELTA, b * sdob + t * sdot + head * sdoh, b * slb + t * slt + head,
+                                     dv, row_ok, DV)
     dq = tl.zeros([HP, BLOCK_DK], tl.float32)
     for slot in range(n_sel):
         k_ok, k, v = _token_block(IDX, b * sib + t * sit + g * sig, slot, K, V, b * skb + g * skg, b * svb + g * svg,
@@ -257,8 +257,8 @@ def _finalize_kernel(
 
 @triton.jit
 def _sel_bwd_kernel(
-    Q, K, V, DO, GATE, LSE, DELTA, DKo, DVo, DQPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
-    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt,
+    Q, K, V, DO, LSE, DELTA, DKo, DVo, DQPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
+    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
     T, G, NS, n, h, scale_log2, scale, sel_block,
     WRITE_DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -277,14 +277,14 @@ def _sel_bwd_kernel(
         # step loads the next step's rows and the entries of the step after. Measured on an H100 at 64k: 6.18 ->
         # 5.21 ms (M7C), 63.5 -> 56.8 (paper); the same in the forward partials was slower (3.76 -> 4.46 ms).
         ok1, f1, t1, hh1 = _item_rows(ENTRIES, start, 0, count, T, n, h, BLOCK_R)
-        q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, GATE, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
-                                                sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, dk, dv, DK, DV)
+        q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
+                                                sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
         ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, BLOCK_R, count, T, n, h, BLOCK_R)
         for r0 in range(0, count * h, BLOCK_R):
             row_ok, f, t, hh, q, do, lse2, delta = ok1, f1, t1, hh1, q1, do1, lse1, delta1
             ok1, f1, t1, hh1 = ok2, f2, t2, hh2
-            q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, GATE, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
-                                                    sdob, sdot, sdoh, sgb, sgt, sgh, slb, slt, dk, dv, DK, DV)
+            q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
+                                                    sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
             ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, r0 + 2 * BLOCK_R, count, T, n, h, BLOCK_R)
             visible = k_ok[None, :] & row_ok[:, None] & (kidx[None, :] <= t[:, None])
             # Rows-major tiles measured faster on H200 than keys-major ones (which avoid the transposes):
@@ -328,9 +328,11 @@ def _reduce_dq_kernel(
 # ---------------------------------------------------------------- launchers
 
 
-def _item_launch(q: torch.Tensor) -> dict:
+def _item_launch(q: torch.Tensor, dv: int) -> dict:
     if q.device.type != "cuda":
         return dict(BLOCK_R=16, num_warps=1)
+    if max(q.shape[-1], dv) > 64:
+        return dict(BLOCK_R=TUNING.sel_block_r_wide, num_warps=TUNING.sel_warps_wide)
     return dict(BLOCK_R=TUNING.sel_block_r, num_warps=TUNING.sel_warps)
 
 
@@ -393,7 +395,7 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
         _sel_fwd_partial_kernel[(item_key.numel(),)](
             q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_strides(q, k, v),
             T, G, -(-T // sel_block), n, h, scale * LOG2E, sel_block,
-            **head_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q),
+            **head_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q, Dv),
         )
     cfg = _row_launch(o)
     _finalize_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
@@ -404,18 +406,18 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
     return o, o_sel, lse_sel
 
 
-def selected_backward(q, k, v, indices, inverse, do, gate, lse, delta, dq, scale: float, sel_block: int):
+def selected_backward(q, k, v, indices, inverse, do, lse, delta, dq, scale: float, sel_block: int):
     """Writes this branch's dQ into dq (float32, overwriting); returns (dK, dV) in float32.
 
-    do is the gradient of the gated sum; gate [B,T,H] scales it to this branch's share;
-    delta [B,T,H] = rowsum(gate * do * o_sel).
+    do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
+    gating.gate_grads (lse_sel - ln(gate), rowsum(do * o_sel)).
     """
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
     path = selected_path(T, h, sel_block)
     if path == TILED:
-        return range_attention_bwd(q, k, v, do, gate, lse, delta, dq, MODE_SEL, False, scale, 1, 1, 1,
+        return range_attention_bwd(q, k, v, do, lse, delta, dq, MODE_SEL, False, scale, 1, 1, 1,
                                    bits=chosen_bits(indices, -(-T // sel_block)), sel_block=sel_block)
     token = path == TOKEN
     if token:  # its dK/dV is block-centric too; the forward had no use for the index
@@ -424,16 +426,16 @@ def selected_backward(q, k, v, indices, inverse, do, gate, lse, delta, dq, scale
     dk_out = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv_out = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     dqpart = dq if token else torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
-    grad_strides = (*_strides(q, k, v, do, gate), *lse.stride()[:2])
+    grad_strides = (*_strides(q, k, v, do), *lse.stride()[:2])
     _sel_bwd_kernel[(item_key.numel(),)](
-        q, k, v, do, gate, lse, delta, dk_out, dv_out, dqpart, item_key, item_start, item_count, entries,
+        q, k, v, do, lse, delta, dk_out, dv_out, dqpart, item_key, item_start, item_count, entries,
         *grad_strides, *_strides(dk_out, dv_out),
         T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block, WRITE_DQ=not token,
-        **head_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q),
+        **head_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q, Dv),
     )
     if token:
         _sel_token_dq_kernel[(T, B * G)](
-            q, k, v, indices, do, gate, lse, delta, dq, *_strides(q, k, v, indices, do, gate), *lse.stride()[:2],
+            q, k, v, indices, do, lse, delta, dq, *_strides(q, k, v, indices, do), *lse.stride()[:2],
             *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
             **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
         )

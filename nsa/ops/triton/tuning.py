@@ -54,8 +54,12 @@ class Tuning:
     token_warps: int = 4
     """Warps of the per-query selected-branch kernels."""
     sel_block_r: int = 64
-    """(query, head) rows per inner step of the block-centric selected-branch kernels."""
+    """(query, head) rows per inner step of the block-centric selected-branch kernels, head dims up to 64."""
     sel_warps: int = 4
+    sel_block_r_wide: int = 128
+    """The same above head dim 64 (measured on H100, paper shape at 64k: the selected backward 70.1 ms at 64 rows
+    on 4 warps, 49.7 at 128 rows on 8)."""
+    sel_warps_wide: int = 8
     row_block_m: int = 64
     """(token, head) rows per program of the selected branch's merge-and-gated-sum and dQ-reduction kernels."""
     row_warps: int = 4
