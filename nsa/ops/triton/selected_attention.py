@@ -206,11 +206,18 @@ def _sel_token_dq_kernel(
 
 
 @triton.jit
+def _slot_lse(IDX, LSEPART, idx_off, part0, s, n, h, row_ok):
+    """[rows] log-sum-exp (log2 units) of each row's slot-s partial; -inf where the slot chose no block."""
+    j = tl.load(IDX + idx_off + s, mask=row_ok & (s < n), other=-1)
+    return tl.load(LSEPART + part0 + s * h, mask=j >= 0, other=float("-inf"))
+
+
+@triton.jit
 def _finalize_kernel(
     OPART, LSEPART, IDX, O_CMP, O_WIN, GATES, O, O_SEL, LSE_SEL,
     sib, sit, sig, sob, sot, soh, sgb, sgt, sgh, slb, slt,
     T, G, h, n,
-    MERGE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    MERGE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, NP: tl.constexpr,
 ):
     """o = sum of the gated branch outputs; with MERGE, o_sel is first merged from its per-block partials."""
     pid_bg = tl.program_id(1)
@@ -224,25 +231,24 @@ def _finalize_kernel(
     dv = tl.arange(0, BLOCK_DV)
     row_off = b * sob + t * sot + head * soh
     if MERGE:
-        # Exact split-softmax merge of the partials (each normalised by its own sum, lse in log2 units).
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        # Exact split-softmax merge of the partials (each normalised by its own sum, lse in log2 units). The
+        # slots are unrolled and the maximum taken first, so no partial's read waits on another's.
+        part0 = (((b * G + g) * T + t) * n) * h + hh  # slot s of the row: part0 + s * h
+        idx_off = b * sib + t * sit + g * sig
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in tl.static_range(NP):
+            m = tl.maximum(m, _slot_lse(IDX, LSEPART, idx_off, part0, s, n, h, row_ok))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        for slot in range(n):
-            j = tl.load(IDX + b * sib + t * sit + g * sig + slot, mask=row_ok, other=-1)
-            ok = row_ok & (j >= 0)
-            part = (((b * G + g) * T + t) * n + slot) * h + hh
-            lse = tl.load(LSEPART + part, mask=ok, other=float("-inf"))
-            o = load_tile(OPART, part * DV, dv, ok, DV)
-            m_new = tl.maximum(m_i, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            w = tl.exp2(lse - m_safe)
-            acc = acc * alpha[:, None] + w[:, None] * o.to(tl.float32)
-            l_i = l_i * alpha + w
-            m_i = m_new
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        tl.store(LSE_SEL + b * slb + t * slt + head, (m_i + tl.log2(l_safe)) / 1.4426950408889634, mask=row_ok)
+        for s in tl.static_range(NP):
+            w = tl.exp2(_slot_lse(IDX, LSEPART, idx_off, part0, s, n, h, row_ok) - m_safe)  # 0 for empty slots
+            # Empty slots' partials were never written: masked, not multiplied by 0.
+            o = load_tile(OPART, (part0 + s * h) * DV, dv, row_ok & (w > 0), DV)
+            acc += w[:, None] * o.to(tl.float32)
+            l_sum += w
+        l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+        tl.store(LSE_SEL + b * slb + t * slt + head, (m + tl.log2(l_safe)) / 1.4426950408889634, mask=row_ok)
         store_tile(O_SEL, row_off, dv, row_ok, acc / l_safe[:, None], DV)
     # The stored (rounded) o_sel enters the sum, as it will in backward.
     o_sel = load_tile(O_SEL, row_off, dv, row_ok, DV).to(tl.float32)
@@ -306,7 +312,7 @@ def _sel_bwd_kernel(
 @triton.jit
 def _reduce_dq_kernel(
     DQPART, IDX, DQ, sib, sit, sig, sdqb, sdqt, sdqh, T, G, h, n,
-    DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_M: tl.constexpr,
+    DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_M: tl.constexpr, NP: tl.constexpr,
 ):
     """dq[t, head] = sum over the query's valid slots of its per-slot dQ partials (writes dq)."""
     pid_bg = tl.program_id(1)
@@ -317,11 +323,11 @@ def _reduce_dq_kernel(
     t = (rows // h).to(tl.int64)
     hh = rows % h
     dk = tl.arange(0, BLOCK_DK)
+    part0 = (((b * G + g) * T + t) * n) * h + hh
     acc = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    for slot in range(n):
-        j = tl.load(IDX + b * sib + t * sit + g * sig + slot, mask=row_ok, other=-1)
-        part = (((b * G + g) * T + t) * n + slot) * h + hh
-        acc += load_tile(DQPART, part * DK, dk, row_ok & (j >= 0), DK).to(tl.float32)
+    for s in tl.static_range(NP):  # unrolled, so the slots' reads do not wait on each other
+        j = tl.load(IDX + b * sib + t * sit + g * sig + s, mask=row_ok & (s < n), other=-1)
+        acc += load_tile(DQPART, (part0 + s * h) * DK, dk, row_ok & (j >= 0), DK).to(tl.float32)
     store_tile(DQ, b * sdqb + t * sdqt + (g * h + hh).to(tl.int64) * sdqh, dk, row_ok, acc, DK)
 
 
@@ -401,7 +407,8 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
     _finalize_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel,
         *indices.stride()[:3], *o.stride()[:3], *gates.stride()[:3], *lse_sel.stride()[:2],
-        T, G, h, n, MERGE=path == BLOCKS, DV=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)), **cfg,
+        T, G, h, n, MERGE=path == BLOCKS, DV=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        NP=triton.next_power_of_2(n), **cfg,
     )
     return o, o_sel, lse_sel
 
@@ -443,6 +450,6 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, dq, scale: floa
         cfg = _row_launch(q)
         _reduce_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
             dqpart, indices, dq, *indices.stride()[:3], *dq.stride()[:3], T, G, h, n,
-            DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), **cfg,
+            DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), NP=triton.next_power_of_2(n), **cfg,
         )
     return dk_out, dv_out
