@@ -50,7 +50,8 @@ def nsa_attention(
     """Native Sparse Attention output [B,T,H,Dv] (DESIGN.md section 1).
 
     q [B,T,H,Dk]; k_cmp/v_cmp [B,Nc,G,D] (already compressed); k_sel, v_sel, k_win,
-    v_win [B,T,G,D]; gates [B,T,H,3] in (cmp, sel, win) order, already in [0, 1].
+    v_win [B,T,G,D]; gates [B,T,H,3] in (cmp, sel, win) order, already in [0, 1] (the CUDA backward folds
+    each gate into its branch's log-sum-exp as ln g, so a gate <= 0 passes its branch no gradient).
     Differentiable in every tensor argument.
     """
     check_nsa_inputs(

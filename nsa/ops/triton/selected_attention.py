@@ -48,9 +48,11 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
     by_group = indices.permute(0, 2, 1, 3)  # [B,G,T,n]: flat order keeps t ascending within a key
     bg = torch.arange(B * G, device=dev).view(B, G, 1, 1)
     keys = torch.where(by_group >= 0, bg * num_sel_blocks + by_group, n_keys).reshape(-1)
-    sorted_keys, entries = torch.sort(keys, stable=True)
+    # 32-bit keys halve the radix sort's passes (the keys are below B * G * Ns + 1).
+    key_dtype = torch.int32 if n_keys < 2**31 - 1 else torch.int64
+    sorted_keys, entries = torch.sort(keys.to(key_dtype), stable=True)
     # Key boundaries by binary search (torch.bincount would sync with the host to size its output).
-    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=dev))
+    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=dev, dtype=key_dtype))
     starts = bounds[:-1]
     counts = bounds[1:] - starts
     items_per_key = (counts + chunk - 1) // chunk
