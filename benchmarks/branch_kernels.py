@@ -5,7 +5,8 @@ causal flash attention for scale), forward and backward, GPU time per call (queu
 
 Each case is TxBATCH. flex_attention computes the same masks (compressed: key i visible from query t when
 i * d + l - 1 <= t; window: t - w < s <= t) from a block mask, so its outputs are checked against ours first.
-Backward times are ours split into the dQ and dK/dV kernels, and flex's whole backward (autograd).
+Backward times: ours (dQ and dK/dV kernels; with --out, a profile of the two per case) and flex's whole backward
+(autograd, forward+backward minus forward). Our backward takes lse and delta as gate_grads gives them for a gate of 1.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def case(T: int, B: int, mode: int, out: Path | None, with_flex: bool = True) ->
     q, k, v, do = rnd(B, T, H, D), rnd(B, NK, G, D), rnd(B, NK, G, D), rnd(B, T, H, D)
     scale = D**-0.5
     o, lse = ra.range_attention_fwd(q, k, v, mode, scale, L, S, W)
-    delta = (o.float() * do.float()).sum(-1)  # a gate of 1: lse and delta as gate_grads gives them
+    delta = (o.float() * do.float()).sum(-1)
     dq = torch.empty(q.shape, device="cuda", dtype=torch.float32)
     row = {"branch": "compressed" if mode == ra.MODE_CMP else "window", "T": T, "batch": B}
     row["ours_fwd"] = time_cuda(lambda: ra.range_attention_fwd(q, k, v, mode, scale, L, S, W), queued=True)
@@ -115,8 +116,8 @@ def main() -> None:
         print(rows[-1], flush=True)
     print(format_table(rows, cols))
     if out:
-        (out / "branch_kernels.json").write_text(json.dumps({"environment": environment(), "rows": rows},
-                                                                    indent=1))
+        report = {"environment": environment(), "rows": rows}
+        (out / "branch_kernels.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

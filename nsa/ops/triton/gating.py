@@ -46,7 +46,8 @@ def _gate_grads_kernel(
         tl.store(DGATES + gate_off + c, dg.to(DGATES.dtype.element_ty), mask=row_ok)
         tl.store(DELTA + c * s_delta_c + out_off, dg, mask=row_ok)
         # lse = -inf (the row saw no key) stays -inf unless the gate is 0; both give P = 0 where it is used.
-        tl.store(LSE_G + c * s_delta_c + out_off, tl.where(g > 0, lse - tl.log(tl.where(g > 0, g, 1.0)), float("inf")), mask=row_ok)
+        lse_g = tl.where(g > 0, lse - tl.log(tl.where(g > 0, g, 1.0)), float("inf"))
+        tl.store(LSE_G + c * s_delta_c + out_off, lse_g, mask=row_ok)
 
 
 def gate_grads(do: torch.Tensor, o_cmp, o_sel, o_win, gates: torch.Tensor, lse_cmp, lse_sel, lse_win):
