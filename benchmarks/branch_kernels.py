@@ -58,11 +58,21 @@ def case(T: int, B: int, mode: int, out: Path | None, with_flex: bool = True) ->
     row["ours_fwd"] = time_cuda(lambda: ra.range_attention_fwd(q, k, v, mode, scale, L, S, W), queued=True)
     row["ours_bwd"] = time_cuda(lambda: ra.range_attention_bwd(q, k, v, do, lse, delta, dq, mode, False,
                                                                scale, L, S, W), queued=True)
+    if with_flex:
+        row |= _flex_row(mode, T, NK, q, k, v, do, o, lse)
+    row["ours_fwdbwd"] = row["ours_fwd"] + row["ours_bwd"]
+    if out:  # which of our two backward kernels the time goes to
+        profile_to_file(lambda: ra.range_attention_bwd(q, k, v, do, lse, delta, dq, mode, False, scale, L, S, W),
+                        out / f"profile_bwd_{row['branch']}_{T}x{B}.txt", repeats=5, rows=8)
+    return row
+
+
+def _flex_row(mode: int, T: int, NK: int, q, k, v, do, o, lse) -> dict:
+    """flex_attention's agreement with our output and its times, or why it did not run."""
+    row = {}
     try:
-        if not with_flex:
-            raise RuntimeError("--no-flex")
         flex = _flex(mode, T, NK)
-        fo, flse = flex(q, k, v)
+        fo, _ = flex(q, k, v)
         seen = torch.isfinite(lse)
         row["flex_max_err"] = (fo.float() - o.float())[seen].abs().max().item()
         row["flex_fwd"] = time_cuda(lambda: flex(q, k, v), queued=True)
@@ -75,10 +85,6 @@ def case(T: int, B: int, mode: int, out: Path | None, with_flex: bool = True) ->
         row["flex_bwd"] = row["flex_fwdbwd"] - row["flex_fwd"]
     except Exception as err:  # noqa: BLE001 - a benchmark row records why flex did not run
         row["flex_error"] = f"{type(err).__name__}: {err}"[:300]
-    row["ours_fwdbwd"] = row["ours_fwd"] + row["ours_bwd"]
-    if out:  # which of our two backward kernels the time goes to
-        profile_to_file(lambda: ra.range_attention_bwd(q, k, v, do, lse, delta, dq, mode, False, scale, L, S, W),
-                        out / f"profile_bwd_{row['branch']}_{T}x{B}.txt", repeats=5, rows=8)
     return row
 
 

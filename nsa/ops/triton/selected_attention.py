@@ -243,7 +243,7 @@ def _finalize_kernel(
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         l_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        for s in tl.static_range(NP):
+        for s in tl.static_range(NP):  # the slots' lse read again (cached) rather than held as NP vectors
             w = tl.exp2(_slot_lse(IDX, LSEPART, idx_off, part0, s, n, h, row_ok) - m_safe)  # 0 for empty slots
             # Empty slots' partials were never written: masked, not multiplied by 0.
             o = load_tile(OPART, (part0 + s * h) * DV, dv, row_ok & (w > 0), DV)
