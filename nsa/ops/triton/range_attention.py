@@ -108,8 +108,9 @@ def _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK: tl.constexp
 
 @triton.jit
 def _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """[rows, keys]: each row's visible range, and for MODE_SEL its choices."""
-    visible = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] <= hi[:, None]) & row_ok[:, None]
+    """[rows, keys]: each row's visible range (lo, hi int32), and for MODE_SEL its choices."""
+    k32 = kidx.to(tl.int32)  # 32-bit compares: key indices stay below T
+    visible = (k32[None, :] >= lo[:, None]) & (k32[None, :] <= hi[:, None]) & row_ok[:, None]
     if MODE == 2:
         visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
     return visible
@@ -137,7 +138,7 @@ def _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constex
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """For a tile of query rows: each row's key range, the tile's key steps [k_start, k_end), the rows' choices
     (MODE_SEL), and the interior [a, e) of keys every row sees (MODE_SEL masks it by the choices alone)."""
-    lo, hi = _key_range(t, MODE, block_len, block_stride, window)
+    lo, hi = _key_range(t.to(tl.int32), MODE, block_len, block_stride, window)
     t_first = (pid_m * BLOCK_M) // h
     t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
     # Keys any row sees: from the first token's first to the last token's last (the start aligned to BLOCK_N).
@@ -157,7 +158,7 @@ def _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constex
 def _range_fwd_kernel(
     Q, K, V, O, LSE, IDX,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sob, sot, soh, slb, slt, sib, sit, sig,
-    T, NK, G, h, scale_log2, block_len, block_stride, window, sel_block,
+    T, NK, G, h: tl.constexpr, scale_log2, block_len, block_stride, window, sel_block,
     MODE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
@@ -206,7 +207,7 @@ def _range_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, IDX,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
     sdqb, sdqt, sdqh, sib, sit, sig,
-    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block,
+    T, NK, G, h: tl.constexpr, scale_log2, scale, block_len, block_stride, window, sel_block,
     MODE: tl.constexpr, ACCUMULATE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
@@ -237,25 +238,37 @@ def _range_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h, first, last, split_hi,
+def _sees(kidx, t, MODE: tl.constexpr, block_len, block_stride, window):
+    """[keys, rows]: whether query token t sees key kidx (int32 both). Written per key, never dividing per row:
+    an int64 division by a runtime stride is a ~100-instruction subroutine call on the GPU."""
+    if MODE == 0:
+        return (kidx * block_stride + block_len - 1)[:, None] <= t[None, :]
+    elif MODE == 1:
+        return (kidx[:, None] <= t[None, :]) & (kidx[:, None] + window > t[None, :])
+    else:
+        return kidx[:, None] <= t[None, :]
+
+
+@triton.jit
+def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h: tl.constexpr, first, last, split_hi,
                sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sib, sit, sig,
                block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
                MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
                DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr):
     """dK/dV of one key tile over (token, head) row steps [first, last)."""
+    kidx32 = kidx.to(tl.int32)
     for r0 in range(first, last, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < split_hi
-        t = (rows // h).to(tl.int64)
+        t32 = rows // h  # h is a compile-time constant: a multiply, not a division
+        t = t32.to(tl.int64)
         head = (g * h + rows % h).to(tl.int64)
         q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
         do, lse2, delta = load_grad_rows(DO, LSE, DELTA, b * sdob + t * sdot + head * sdoh, b * slb + t * slt + head,
                                          dv, row_ok, DV)
         pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
-            lo, hi = _key_range(t, MODE, block_len, block_stride, window)
-            visible = (kidx[:, None] >= lo[None, :]) & (kidx[:, None] <= hi[None, :]) & row_ok[None, :]
-            visible = visible & k_ok[:, None]
+            visible = _sees(kidx32, t32, MODE, block_len, block_stride, window) & row_ok[None, :] & k_ok[:, None]
             if MODE == 2:
                 bits = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
                 visible = visible & _picked_t(bits, k_first, kidx, sel_block, ONE_BLOCK)
@@ -274,7 +287,7 @@ def _range_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DKo, DVo, IDX,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sib, sit, sig,
-    T, NK, G, h, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
+    T, NK, G, h: tl.constexpr, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
     MODE: tl.constexpr, ATOMIC: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr,

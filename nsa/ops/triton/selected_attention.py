@@ -70,34 +70,41 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
 @triton.jit
 def _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg, T, G, NS, sel_block, dk, dv,
                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr):
-    """A work item's block: (first entry, b, g, key positions, key ok, K tile, V tile)."""
+    """A work item's block: (first entry, b, g, b * G + g, key positions (int32), key ok, K tile, V tile)."""
     key = tl.load(ITEM_KEY + item)  # (b * G + g) * NS + j
     j = key % NS
-    b = (key // NS // G).to(tl.int64)
-    g = (key // NS) % G
+    bg = key // NS
+    b = (bg // G).to(tl.int64)
+    g = bg % G
     lk = tl.arange(0, BLOCK_L)
-    kidx = (j * sel_block + lk).to(tl.int64)
-    k_ok = (lk < sel_block) & (kidx < T)
+    pos = j * sel_block + lk
+    kidx = pos.to(tl.int64)
+    k_ok = (lk < sel_block) & (pos < T)
     k = load_tile(K, b * skb + g * skg + kidx * skt, dk, k_ok, DK)
     v = load_tile(V, b * svb + g * svg + kidx * svt, dv, k_ok, DV)
-    return tl.load(ITEM_START + item), b, g, kidx, k_ok, k, v
+    return tl.load(ITEM_START + item), b, g, bg, pos, k_ok, k, v
 
 
 @triton.jit
-def _item_rows(ENTRIES, start, r0, count, T, n, h, BLOCK_R: tl.constexpr):
-    """(row ok, flat entry f, query t, head-in-group) for rows r0.. of an item; rows are (entry, head)."""
+def _item_rows(ENTRIES, start, r0, count, bg, T, n: tl.constexpr, h: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(row ok, flat entry f, query t, head-in-group) for rows r0.. of an item; rows are (entry, head).
+
+    f = ((b * G + g) * T + t) * n + slot < 2**31 (the entries are int32), so t is found in 32 bits from the item's
+    bg = b * G + g: an int64 division or modulo by a runtime value is a ~100-instruction subroutine call per row.
+    """
     rows = r0 + tl.arange(0, BLOCK_R)
     row_ok = rows < count * h
-    f = tl.load(ENTRIES + start + rows // h, mask=row_ok, other=0).to(tl.int64)
-    t = (f // n) % T
-    return row_ok, f, t, rows % h
+    f = tl.load(ENTRIES + start + rows // h, mask=row_ok, other=0)
+    t = tl.where(row_ok, f // n - bg * T, 0)
+    return row_ok, f.to(tl.int64), t, rows % h
 
 
 @triton.jit
 def _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t, hh, row_ok, sqb, sqt, sqh, sdob, sdot, sdoh,
                     slb, slt, dk, dv, DK: tl.constexpr, DV: tl.constexpr):
-    """The backward's gathered rows: q, do, the gated lse (log2 units) and delta."""
+    """The backward's gathered rows: q, do, the gated lse (log2 units) and delta (t int32)."""
     head = (g * h + hh).to(tl.int64)
+    t = t.to(tl.int64)
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
     do, lse2, delta = load_grad_rows(DO, LSE, DELTA, b * sdob + t * sdot + head * sdoh, b * slb + t * slt + head,
                                      dv, row_ok, DV)
@@ -108,7 +115,7 @@ def _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t, hh, row_ok, sqb, sqt, sqh, sd
 def _sel_fwd_partial_kernel(
     Q, K, V, OPART, LSEPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg,
-    T, G, NS, n, h, scale_log2, sel_block,
+    T, G, NS, n: tl.constexpr, h: tl.constexpr, scale_log2, sel_block,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -117,13 +124,13 @@ def _sel_fwd_partial_kernel(
     if count > 0:
         dk = tl.arange(0, BLOCK_DK)
         dv = tl.arange(0, BLOCK_DV)
-        start, b, g, kidx, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
+        start, b, g, bg, pos, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
                                                     T, G, NS, sel_block, dk, dv, DK, DV, BLOCK_L)
         for r0 in range(0, count * h, BLOCK_R):
-            row_ok, f, t, hh = _item_rows(ENTRIES, start, r0, count, T, n, h, BLOCK_R)
-            q = load_tile(Q, b * sqb + t * sqt + (g * h + hh).to(tl.int64) * sqh, dk, row_ok, DK)
+            row_ok, f, t, hh = _item_rows(ENTRIES, start, r0, count, bg, T, n, h, BLOCK_R)
+            q = load_tile(Q, b * sqb + t.to(tl.int64) * sqt + (g * h + hh).to(tl.int64) * sqh, dk, row_ok, DK)
             s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where(k_ok[None, :] & (kidx[None, :] <= t[:, None]), s, float("-inf"))
+            s = tl.where(k_ok[None, :] & (pos[None, :] <= t[:, None]), s, float("-inf"))
             m = tl.where(row_ok, tl.max(s, 1), 0.0)  # a selected block always holds a key <= t
             p = tl.exp2(s - m[:, None])
             l_sum = tl.sum(p, 1)
@@ -218,7 +225,7 @@ def _slot_lse(IDX, LSEPART, idx_off, part0, s, n, h, row_ok):
 def _finalize_kernel(
     OPART, LSEPART, IDX, O_CMP, O_WIN, GATES, O, O_SEL, LSE_SEL,
     sib, sit, sig, sob, sot, soh, sgb, sgt, sgh, slb, slt,
-    T, G, h, n,
+    T, G, h: tl.constexpr, n,
     MERGE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, NP: tl.constexpr,
 ):
     """o = sum of the gated branch outputs; with MERGE, o_sel is first merged from its per-block partials."""
@@ -268,7 +275,7 @@ def _sel_bwd_kernel(
     Q, K, V, DO, LSE, DELTA, DKo, DVo, DQPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
-    T, G, NS, n, h, scale_log2, scale, sel_block,
+    T, G, NS, n: tl.constexpr, h: tl.constexpr, scale_log2, scale, sel_block,
     WRITE_DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -277,24 +284,24 @@ def _sel_bwd_kernel(
     if count > 0:
         dk = tl.arange(0, BLOCK_DK)
         dv = tl.arange(0, BLOCK_DV)
-        start, b, g, kidx, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
+        start, b, g, bg, pos, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
                                                     T, G, NS, sel_block, dk, dv, DK, DV, BLOCK_L)
         dk_acc = tl.zeros([BLOCK_L, BLOCK_DK], tl.float32)
         dv_acc = tl.zeros([BLOCK_L, BLOCK_DV], tl.float32)
         # The gathers run ahead of the math (they depend on the entries, which the loop cannot pipeline): each
         # step loads the next step's rows and the entries of the step after. Measured on an H100 at 64k: 6.18 ->
         # 5.21 ms (M7C), 63.5 -> 56.8 (paper); the same in the forward partials was slower (3.76 -> 4.46 ms).
-        ok1, f1, t1, hh1 = _item_rows(ENTRIES, start, 0, count, T, n, h, BLOCK_R)
+        ok1, f1, t1, hh1 = _item_rows(ENTRIES, start, 0, count, bg, T, n, h, BLOCK_R)
         q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
                                                 sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
-        ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, BLOCK_R, count, T, n, h, BLOCK_R)
+        ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, BLOCK_R, count, bg, T, n, h, BLOCK_R)
         for r0 in range(0, count * h, BLOCK_R):
             row_ok, f, t, hh, q, do, lse2, delta = ok1, f1, t1, hh1, q1, do1, lse1, delta1
             ok1, f1, t1, hh1 = ok2, f2, t2, hh2
             q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
                                                     sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
-            ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, r0 + 2 * BLOCK_R, count, T, n, h, BLOCK_R)
-            visible = k_ok[None, :] & row_ok[:, None] & (kidx[None, :] <= t[:, None])
+            ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, r0 + 2 * BLOCK_R, count, bg, T, n, h, BLOCK_R)
+            visible = k_ok[None, :] & row_ok[:, None] & (pos[None, :] <= t[:, None])
             # Rows-major tiles measured faster on H200 than keys-major ones (which avoid the transposes):
             # 6.6 vs 12.1 ms at M7C 64k, 67 vs 97 ms at the paper shape (benchmarks/RESULTS.md).
             s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_R, BLOCK_L]
@@ -305,6 +312,7 @@ def _sel_bwd_kernel(
             if WRITE_DQ:
                 store_tile(DQPART, (f * h + hh) * DK, dk, row_ok, tl.dot(ds.to(k.dtype), k) * scale, DK)
         # Relaxed atomics: see range_attention's dK/dV kernel (measured 5.21 -> 4.80 ms here at M7C 64k, H100).
+        kidx = pos.to(tl.int64)
         tl.atomic_add(DKo + (b * sdkb + g * sdkg + kidx * sdkt)[:, None] + dk[None, :], dk_acc * scale,
                       mask=k_ok[:, None] & (dk[None, :] < DK), sem="relaxed")
         tl.atomic_add(DVo + (b * sdvb + g * sdvg + kidx * sdvt)[:, None] + dv[None, :], dv_acc,
@@ -313,7 +321,7 @@ def _sel_bwd_kernel(
 
 @triton.jit
 def _reduce_dq_kernel(
-    DQPART, IDX, DQ, sib, sit, sig, sdqb, sdqt, sdqh, T, G, h, n,
+    DQPART, IDX, DQ, sib, sit, sig, sdqb, sdqt, sdqh, T, G, h: tl.constexpr, n,
     DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_M: tl.constexpr, NP: tl.constexpr,
 ):
     """dq[t, head] = sum over the query's valid slots of its per-slot dQ partials (writes dq)."""
