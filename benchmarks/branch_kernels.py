@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from nsa.bench.attention import HP, SHAPES
 from nsa.bench.common import environment, format_table, profile_to_file, time_cuda
+from nsa.ops.triton import query_grad as qg
 from nsa.ops.triton import range_attention as ra
 
 H, G, D, _ = SHAPES["m7c"]
@@ -53,18 +54,26 @@ def case(T: int, B: int, mode: int, out: Path | None, with_flex: bool = True) ->
     scale = D**-0.5
     o, lse = ra.range_attention_fwd(q, k, v, mode, scale, L, S, W)
     delta = (o.float() * do.float()).sum(-1)
-    dq = torch.empty(q.shape, device="cuda", dtype=torch.float32)
     row = {"branch": "compressed" if mode == ra.MODE_CMP else "window", "T": T, "batch": B}
     row["ours_fwd"] = time_cuda(lambda: ra.range_attention_fwd(q, k, v, mode, scale, L, S, W), queued=True)
-    row["ours_bwd"] = time_cuda(lambda: ra.range_attention_bwd(q, k, v, do, lse, delta, dq, mode, False,
-                                                               scale, L, S, W), queued=True)
+    row["ours_bwd"] = time_cuda(lambda: _backward(q, k, v, do, lse, delta, mode), queued=True)
     if with_flex:
         row |= _flex_row(mode, T, NK, q, k, v, do, o, lse)
     row["ours_fwdbwd"] = row["ours_fwd"] + row["ours_bwd"]
     if out:  # which of our two backward kernels the time goes to
-        profile_to_file(lambda: ra.range_attention_bwd(q, k, v, do, lse, delta, dq, mode, False, scale, L, S, W),
+        profile_to_file(lambda: _backward(q, k, v, do, lse, delta, mode),
                         out / f"profile_bwd_{row['branch']}_{T}x{B}.txt", repeats=5, rows=8)
     return row
+
+
+def _backward(q, k, v, do, lse, delta, mode: int):
+    """Our backward of one branch: its dK/dV kernel, then query_grad with only this branch."""
+    dk, dv = ra.range_attention_dkdv(q, k, v, do, lse, delta, mode, D**-0.5, L, S, W)
+    lse3, delta3 = lse.expand(3, *lse.shape), delta.expand(3, *delta.shape)
+    branch = (k, v)
+    dq = qg.query_grad(q, do, lse3, delta3, D**-0.5, L, S, W, branch if mode == ra.MODE_CMP else None,
+                       branch if mode == ra.MODE_WIN else None, qg.SelectedDQ(qg.SEL_NONE))
+    return dq, dk, dv
 
 
 def _flex_row(mode: int, T: int, NK: int, q, k, v, do, o, lse) -> dict:

@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nsa.ops.triton import decode, range_attention, selected_attention, selection
+from nsa.ops.triton import decode, query_grad, range_attention, selected_attention, selection
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 DIMS = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64)
@@ -30,9 +30,10 @@ DIMS = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64)
 # [B,T,G,64] tensors, the selection's [B,T,G,16] indices): Triton specialises those on the GPU, and the wider loads
 # it then emits change the register count. Gate (t, h) and log-sum-exp t strides (36, 3, 12) are not.
 DIVISIBLE = {
-    *(f"s{t}{d}" for t in ("q", "do", "o", "dq", "k", "v", "dk", "dv", "c", "s", "w") for d in "btghc"),
+    *(f"s{t}{d}" for t in ("q", "do", "o", "dq", "k", "v", "dk", "dv", "c", "s", "w", "kc", "vc", "ks", "vs", "kw",
+                            "vw", "ds") for d in "btghc"),
     "sgb", "slb", "sib", "sit", "sig", "T", "NS", "n", "n_sel", "sel_block", "block_len", "block_stride", "window",
-    "rows_per_split", "chunk_tokens",
+    "rows_per_split", "chunk_tokens", "NC",
 } - {"sgt", "sgh", "sgc"}
 # kernel: (function, constexprs, pointer types, float scalars); every other argument is an i32 scalar.
 KERNELS = {
@@ -50,15 +51,20 @@ KERNELS = {
     "finalize": (selected_attention._finalize_kernel, dict(MERGE=True, DV=64, BLOCK_DV=64, BLOCK_M=64, NP=16, h=6),
                  dict(OPART=BF16, LSEPART=F32, IDX=I64, O_CMP=BF16, O_WIN=BF16, GATES=BF16, O=BF16, O_SEL=BF16,
                       LSE_SEL=F32), ()),
-    "reduce_dq": (selected_attention._reduce_dq_kernel, dict(DK=64, BLOCK_DK=64, BLOCK_M=64, NP=16, h=6),
-                  dict(DQPART=BF16, IDX=I64, DQ=F32), ()),
     **{f"range_{kind}_{mode}": (kernel, dict(**DIMS, MODE=m, BLOCK_M=128, BLOCK_N=64, ONE_BLOCK=m == 2, h=6) | extra,
                                  dict(Q=BF16, K=BF16, V=BF16, O=BF16, LSE=F32, IDX=I64, DO=BF16, GATE=BF16,
                                       DELTA=F32, DQ=F32, DKo=F32, DVo=F32), ("scale_log2", "scale"))
        for kind, kernel, extra in (("fwd", range_attention._range_fwd_kernel, {}),
-                                   ("dq", range_attention._range_bwd_dq_kernel, dict(ACCUMULATE=True)),
                                    ("dkdv", range_attention._range_bwd_dkdv_kernel, dict(ATOMIC=True)))
        for m, mode in enumerate(("cmp", "win", "sel"))},
+    **{f"query_grad_{name}": (query_grad._query_grad_kernel,
+                               dict(**DIMS, HAS_CMP=True, HAS_WIN=True, SEL=sel, NP=16, BLOCK_M=128, BLOCK_N=64,
+                                    ONE_BLOCK=True, h=6),
+                               dict(Q=BF16, DO=BF16, DQ=BF16, KC=BF16, VC=BF16, KS=BF16, VS=BF16, KW=BF16, VW=BF16,
+                                    SEL_IDX=I64, PARTS=BF16, DQ_SEL=F32,
+                                    **{f"{x}_{c}": F32 for x in ("LSE", "DELTA") for c in "CSW"}),
+                               ("scale_log2", "scale"))
+       for name, sel in (("tiled", 1), ("parts", 2))},
     "decode_chunk": (decode._chunk_kernel, dict(**DIMS, HP=16, K=16, C=64, R=4),
                      dict(Q=BF16, KC=BF16, VC=BF16, NCMP=I64, PM=F32, PL=F32, PACC=F32, PSC=F32), ("scale_log2",)),
     "decode_select_part": (decode._select_part_kernel, dict(HP=16, BLOCK_DV=64, K=16, CT=8, PT=8, PTS=64),

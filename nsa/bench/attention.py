@@ -133,8 +133,10 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
     """GPU milliseconds of every stage of the NSA forward and backward at one length (calls queued back to back,
     so the host's launch time is hidden as it is inside a training step)."""
     from ..ops.triton.gating import gate_grads
-    from ..ops.triton.range_attention import MODE_CMP, MODE_WIN, range_attention_bwd, range_attention_fwd
-    from ..ops.triton.selected_attention import build_inverse_index, selected_backward, selected_forward
+    from ..ops.triton.query_grad import query_grad
+    from ..ops.triton.range_attention import MODE_CMP, MODE_WIN, range_attention_dkdv, range_attention_fwd
+    from ..ops.triton.selected_attention import (BLOCKS, build_inverse_index, selected_backward, selected_forward,
+                                                 selected_path)
     from ..ops.triton.selection import select_blocks_fwd
 
     H, G, Dk, Dv = SHAPES[shape]
@@ -149,7 +151,7 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
     do = torch.randn_like(o_cmp)
     lses = (lse_cmp, lse_sel, lse_win)
     _, delta, lse_g = gate_grads(do, o_cmp, o_sel, o_win, gates, *lses)
-    dq = torch.zeros(q.shape, device="cuda")
+    *_, sel_dq = selected_backward(q, ks, vs, idx, inv, do, lse_g[1], delta[1], scale, lp)
     stages = {
         "fwd: compressed attention": lambda: range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, w),
         "fwd: scoring + top-n": lambda: select_blocks_fwd(q, kc, lse_cmp, scale, l, d, lp, n),
@@ -158,13 +160,15 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
         "fwd: selected attention + gated sum": lambda: selected_forward(
             q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, lp),
         "bwd: gate grads + deltas": lambda: gate_grads(do, o_cmp, o_sel, o_win, gates, *lses),
-        "bwd: selected (dk/dv + dq)": lambda: selected_backward(
-            q, ks, vs, idx, inv, do, lse_g[1], delta[1], dq, scale, lp),
-        "bwd: window": lambda: range_attention_bwd(q, kw, vw, do, lse_g[2], delta[2], dq, MODE_WIN, True, scale,
-                                                   l, d, w),
-        "bwd: compressed": lambda: range_attention_bwd(q, kc, vc, do, lse_g[0], delta[0], dq, MODE_CMP, True, scale,
-                                                       l, d, w),
+        "bwd: selected dk/dv (+ dq parts)": lambda: selected_backward(
+            q, ks, vs, idx, inv, do, lse_g[1], delta[1], scale, lp),
+        "bwd: window dk/dv": lambda: range_attention_dkdv(q, kw, vw, do, lse_g[2], delta[2], MODE_WIN, scale, l, d, w),
+        "bwd: compressed dk/dv": lambda: range_attention_dkdv(q, kc, vc, do, lse_g[0], delta[0], MODE_CMP, scale,
+                                                               l, d, w),
+        "bwd: dq (all branches)": lambda: query_grad(q, do, lse_g, delta, scale, l, d, w, (kc, vc), (kw, vw), sel_dq),
     }
+    if selected_path(T, H // G, lp) != BLOCKS:  # only the block-centric path builds the index
+        del stages["fwd: inverse index"]
     rows = [{"shape": shape, "T": T, "stage": name, "ms": _timed(fn, queued=True)} for name, fn in stages.items()]
     torch.cuda.empty_cache()
     return rows
@@ -176,7 +180,7 @@ SWEEP = {
     "range_warps": [8],
     "range_stages": [3],
     "range_block_m+range_block_n+range_warps": [(128, 128, 8), (64, 32, 4)],
-    "dq_block_m+dq_block_n+dq_warps": [(128, 32, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8)],
+    "dq_block_m+dq_block_n+dq_warps": [(128, 64, 4), (64, 32, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8)],
     "dkdv_block_m": [32, 64],
     "dkdv_block_m_wide": [32],
     "dkdv_block_n": [128],

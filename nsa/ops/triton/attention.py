@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from .gating import gate_grads
-from .range_attention import MODE_CMP, MODE_WIN, range_attention_bwd, range_attention_fwd
+from .query_grad import query_grad
+from .range_attention import MODE_CMP, MODE_WIN, range_attention_dkdv, range_attention_fwd
 from .selected_attention import BLOCKS, build_inverse_index, selected_backward, selected_forward, selected_path
 from .selection import select_blocks_fwd
 from .tuning import TUNING
@@ -73,14 +74,15 @@ def nsa_backward(
     do = do.contiguous()
     # Each branch's gate comes folded into its lse and delta (see gating.py).
     dgates, delta, lse_g = gate_grads(do, o_cmp, o_sel, o_win, gates, lse_cmp, lse_sel, lse_win)
-    dq = torch.empty(q.shape, device=q.device, dtype=_F32)
     inverse = (item_key, item_start, item_count, entries)
-    dk_sel, dv_sel = selected_backward(q, k_sel, v_sel, indices, inverse, do, lse_g[1], delta[1], dq, scale,
-                                       sel_block)
-    dk_win, dv_win = range_attention_bwd(q, k_win, v_win, do, lse_g[2], delta[2], dq, MODE_WIN, True, scale,
-                                         block_len, block_stride, window)
-    dk_cmp, dv_cmp = range_attention_bwd(q, k_cmp, v_cmp, do, lse_g[0], delta[0], dq, MODE_CMP, True, scale,
-                                         block_len, block_stride, window)
+    dk_sel, dv_sel, sel_dq = selected_backward(q, k_sel, v_sel, indices, inverse, do, lse_g[1], delta[1], scale,
+                                               sel_block)
+    dk_win, dv_win = range_attention_dkdv(q, k_win, v_win, do, lse_g[2], delta[2], MODE_WIN, scale,
+                                          block_len, block_stride, window)
+    dk_cmp, dv_cmp = range_attention_dkdv(q, k_cmp, v_cmp, do, lse_g[0], delta[0], MODE_CMP, scale,
+                                          block_len, block_stride, window)
+    dq = query_grad(q, do, lse_g, delta, scale, block_len, block_stride, window, (k_cmp, v_cmp), (k_win, v_win),
+                    sel_dq)
     grads = (dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win)
     inputs = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)
     return (*(g.to(x.dtype) for g, x in zip(grads, inputs)), dgates)

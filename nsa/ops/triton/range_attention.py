@@ -13,12 +13,12 @@ Grouped-query packing: a program's rows are consecutive (token, head) pairs of o
 key/value group, row r <-> token r // h, head r % h. Any group size h fills the
 matrix units without padding, and every loaded key/value tile serves all h heads.
 
-Forward writes the branch output and its log-sum-exp; backward is split into a dQ
-kernel (one program per row tile) and a dK/dV kernel (one program per key tile,
-looping over the rows that see it; compressed and selected key tiles split those rows
-over several programs that add with float32 atomics). A one-kernel backward that adds dQ
-atomically from the dK/dV kernel was measured 1.6-1.9x slower at 64k on an H100 (atomics
-contention), so dQ keeps its own kernel.
+Forward writes the branch output and its log-sum-exp; backward is split into a dK/dV
+kernel here (one program per key tile, looping over the rows that see it; compressed and
+selected key tiles split those rows over several programs that add with float32 atomics)
+and query_grad's kernel, which walks every branch's keys for a tile of rows (the key loops
+below) and writes dQ once. A one-kernel backward that adds dQ atomically from the dK/dV
+kernel was measured 1.6-1.9x slower at 64k on an H100 (atomics contention).
 
 Each loop runs as masked edges around an interior (keys every row of the tile sees: no range
 mask; MODE_SEL still masks by the choices, one bit per row and step), three loops without
@@ -200,41 +200,6 @@ def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     return dq
-
-
-@triton.jit
-def _range_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, IDX,
-    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
-    sdqb, sdqt, sdqh, sib, sit, sig,
-    T, NK, G, h: tl.constexpr, scale_log2, scale, block_len, block_stride, window, sel_block,
-    MODE: tl.constexpr, ACCUMULATE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ONE_BLOCK: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
-    q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
-    do, lse2, delta = load_grad_rows(DO, LSE, DELTA, b * sdob + t * sdot + head * sdoh, b * slb + t * slt + head,
-                                     dv, row_ok, DV)
-    lo, hi, k_start, k_end, chosen, a, e = _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE,
-                                                     block_len, block_stride, window, BLOCK_M, BLOCK_N)
-    k_base = b * skb + g * skg
-    v_base = b * svb + g * svg
-    dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen,
-                  sel_block, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
-    dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, a, e, lo, hi, row_ok, chosen,
-                  sel_block, dk, dv, scale_log2, dq, False, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
-    dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen,
-                  sel_block, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
-    dq = dq * scale
-    dq_off = b * sdqb + t * sdqt + head * sdqh
-    if ACCUMULATE:
-        dq += load_tile(DQ, dq_off, dk, row_ok, DK)
-    store_tile(DQ, dq_off, dk, row_ok, dq, DK)
 
 
 @triton.jit
@@ -429,10 +394,9 @@ def _dkdv_splits(total_rows: int, key_tiles: int, programs: int, block_m: int, d
     return max(1, triton.cdiv(total_rows, rows_per_split)), rows_per_split
 
 
-def range_attention_bwd(q, k, v, do, lse, delta, dq, mode: int, accumulate: bool, scale: float,
-                        block_len: int, block_stride: int, window: int, bits: torch.Tensor | None = None,
-                        sel_block: int = 0):
-    """Adds this branch's dQ into dq (float32; overwrites it unless `accumulate`) and returns (dK, dV) in float32.
+def range_attention_dkdv(q, k, v, do, lse, delta, mode: int, scale: float, block_len: int, block_stride: int,
+                         window: int, bits: torch.Tensor | None = None, sel_block: int = 0):
+    """(dK, dV) in float32 of one branch (its dQ is query_grad's).
 
     do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
     gating.gate_grads (lse - ln(gate), rowsum(do * o_branch)).
@@ -448,11 +412,6 @@ def range_attention_bwd(q, k, v, do, lse, delta, dq, mode: int, accumulate: bool
         lse.stride(0), lse.stride(1),
     )
     dims = dict(MODE=mode, **head_dims(Dk, Dv))
-    cfg = _blocks(q, Dk, Dv, "dq")
-    _range_bwd_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
-        q, k, v, do, lse, delta, dq, idx, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *idx_strides,
-        *common, ACCUMULATE=accumulate, ONE_BLOCK=sel % cfg["BLOCK_N"] == 0, **dims, **cfg,
-    )
     cfg = _blocks(q, Dk, Dv, "dkdv")
     key_tiles = triton.cdiv(NK, cfg["BLOCK_N"])
     if mode == MODE_WIN:

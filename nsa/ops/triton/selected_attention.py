@@ -17,7 +17,8 @@ values once and loop over the queries' (query, head) rows:
 - backward: each item accumulates its block's dK/dV in registers (one float32 atomic
   add per element per item, only blocks chosen by more queries than one item holds
   have several) and writes each row's dQ contribution to a per-slot buffer, which
-  `reduce_dq` sums. dQ thus needs no second gather of the keys.
+  query_grad sums while it computes the other branches' dQ. dQ thus needs no second
+  gather of the keys.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
-from .range_attention import MODE_SEL, chosen_bits, range_attention_bwd, range_attention_fwd
+from .query_grad import SEL_DENSE, SEL_PARTS, SEL_TILED, SelectedDQ
+from .range_attention import MODE_SEL, chosen_bits, range_attention_dkdv, range_attention_fwd
 from .tuning import TUNING
 
 TILED, TOKEN, BLOCKS = "tiled", "per-token", "block-centric"
@@ -319,28 +321,6 @@ def _sel_bwd_kernel(
                       mask=k_ok[:, None] & (dv[None, :] < DV), sem="relaxed")
 
 
-@triton.jit
-def _reduce_dq_kernel(
-    DQPART, IDX, DQ, sib, sit, sig, sdqb, sdqt, sdqh, T, G, h: tl.constexpr, n,
-    DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_M: tl.constexpr, NP: tl.constexpr,
-):
-    """dq[t, head] = sum over the query's valid slots of its per-slot dQ partials (writes dq)."""
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = pid_bg % G
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < T * h
-    t = (rows // h).to(tl.int64)
-    hh = rows % h
-    dk = tl.arange(0, BLOCK_DK)
-    part0 = (((b * G + g) * T + t) * n) * h + hh
-    acc = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    for s in tl.static_range(NP):  # unrolled, so the slots' reads do not wait on each other
-        j = tl.load(IDX + b * sib + t * sit + g * sig + s, mask=row_ok & (s < n), other=-1)
-        acc += load_tile(DQPART, (part0 + s * h) * DK, dk, row_ok & (j >= 0), DK).to(tl.float32)
-    store_tile(DQ, b * sdqb + t * sdqt + (g * h + hh).to(tl.int64) * sdqh, dk, row_ok, acc, DK)
-
-
 # ---------------------------------------------------------------- launchers
 
 
@@ -423,8 +403,8 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
     return o, o_sel, lse_sel
 
 
-def selected_backward(q, k, v, indices, inverse, do, lse, delta, dq, scale: float, sel_block: int):
-    """Writes this branch's dQ into dq (float32, overwriting); returns (dK, dV) in float32.
+def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, sel_block: int):
+    """(dK, dV) in float32 and the branch's share of dQ as query_grad takes it (SelectedDQ).
 
     do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
     gating.gate_grads (lse_sel - ln(gate), rowsum(do * o_sel)).
@@ -434,15 +414,17 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, dq, scale: floa
     h, n = H // G, indices.shape[-1]
     path = selected_path(T, h, sel_block)
     if path == TILED:
-        return range_attention_bwd(q, k, v, do, lse, delta, dq, MODE_SEL, False, scale, 1, 1, 1,
-                                   bits=chosen_bits(indices, -(-T // sel_block)), sel_block=sel_block)
+        bits = chosen_bits(indices, -(-T // sel_block))
+        dk, dv = range_attention_dkdv(q, k, v, do, lse, delta, MODE_SEL, scale, 1, 1, 1, bits=bits,
+                                      sel_block=sel_block)
+        return dk, dv, SelectedDQ(SEL_TILED, k=k, v=v, choice=bits, sel_block=sel_block)
     token = path == TOKEN
     if token:  # its dK/dV is block-centric too; the forward had no use for the index
         inverse = build_inverse_index(indices, T, sel_block)
     item_key, item_start, item_count, entries = inverse
     dk_out = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv_out = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
-    dqpart = dq if token else torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
+    dqpart = q if token else torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
     grad_strides = (*_strides(q, k, v, do), *lse.stride()[:2])
     _sel_bwd_kernel[(item_key.numel(),)](
         q, k, v, do, lse, delta, dk_out, dv_out, dqpart, item_key, item_start, item_count, entries,
@@ -450,16 +432,12 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, dq, scale: floa
         T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block, WRITE_DQ=not token,
         **head_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q, Dv),
     )
-    if token:
-        _sel_token_dq_kernel[(T, B * G)](
-            q, k, v, indices, do, lse, delta, dq, *_strides(q, k, v, indices, do), *lse.stride()[:2],
-            *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
-            **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
-        )
-    else:
-        cfg = _row_launch(q)
-        _reduce_dq_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
-            dqpart, indices, dq, *indices.stride()[:3], *dq.stride()[:3], T, G, h, n,
-            DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), NP=triton.next_power_of_2(n), **cfg,
-        )
-    return dk_out, dv_out
+    if not token:
+        return dk_out, dv_out, SelectedDQ(SEL_PARTS, choice=indices, parts=dqpart)
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    _sel_token_dq_kernel[(T, B * G)](
+        q, k, v, indices, do, lse, delta, dq, *_strides(q, k, v, indices, do), *lse.stride()[:2],
+        *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
+        **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
+    )
+    return dk_out, dv_out, SelectedDQ(SEL_DENSE, choice=indices, dq=dq)
