@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .common import LOG2E, head_dims, load_tile, store_tile
 from .range_attention import MODE_CMP, MODE_SEL, MODE_WIN, _blocks, _dq_keys, _key_plan, _rows
+from .tuning import TUNING
 
 SEL_NONE, SEL_TILED, SEL_PARTS, SEL_DENSE = 0, 1, 2, 3
 
@@ -139,6 +140,8 @@ def query_grad(q: torch.Tensor, do: torch.Tensor, lse_g: torch.Tensor, delta: to
     choice = sel.choice if sel.choice is not None else q
     n = sel.choice.shape[-1] if sel.kind == SEL_PARTS else 1
     cfg = _blocks(q, Dk, Dv, "dq")
+    if sel.kind == SEL_TILED and q.device.type == "cuda" and max(Dk, Dv) <= 64:
+        cfg["BLOCK_N"] = TUNING.dq_block_n_tiled
     _query_grad_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         q, do, dq, lse_g[0], delta[0], lse_g[1], delta[1], lse_g[2], delta[2], kc, vc, ks, vs, kw, vw, choice,
         sel.parts if sel.parts is not None else q, sel.dq if sel.dq is not None else q,

@@ -156,11 +156,11 @@ def _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constex
 
 @triton.jit
 def _range_fwd_kernel(
-    Q, K, V, O, LSE, IDX,
-    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sob, sot, soh, slb, slt, sib, sit, sig,
+    Q, K, V, O, LSE, IDX, O_CMP, O_WIN, GATES, OUT,
+    sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sob, sot, soh, slb, slt, sib, sit, sig, sgb, sgt, sgh,
     T, NK, G, h: tl.constexpr, scale_log2, block_len, block_stride, window, sel_block,
     MODE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr, GATED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
@@ -181,8 +181,20 @@ def _range_fwd_kernel(
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen, sel_block,
                               dk, dv, scale_log2, m_i, l_i, acc, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
     out, lse = softmax_finish(m_i, l_i, acc)
-    store_tile(O, b * sob + t * sot + head * soh, dv, row_ok, out, DV)
+    o_off = b * sob + t * sot + head * soh
+    store_tile(O, o_off, dv, row_ok, out, DV)
     tl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
+    if GATED:
+        # MODE_SEL runs last at short T: it also writes o = sum of the gated branch outputs (all [B,T,H,Dv] with
+        # O's strides), its own output rounded as stored, as backward will see it.
+        gate_off = b * sgb + t * sgt + head * sgh
+        g_cmp = tl.load(GATES + gate_off, mask=row_ok, other=0.0).to(tl.float32)
+        g_sel = tl.load(GATES + gate_off + 1, mask=row_ok, other=0.0).to(tl.float32)
+        g_win = tl.load(GATES + gate_off + 2, mask=row_ok, other=0.0).to(tl.float32)
+        total = g_sel[:, None] * out.to(O.dtype.element_ty).to(tl.float32)
+        total += g_cmp[:, None] * load_tile(O_CMP, o_off, dv, row_ok, DV).to(tl.float32)
+        total += g_win[:, None] * load_tile(O_WIN, o_off, dv, row_ok, DV).to(tl.float32)
+        store_tile(OUT, o_off, dv, row_ok, total, DV)
 
 
 @triton.jit
@@ -361,10 +373,11 @@ def _selection_args(bits: torch.Tensor | None, q: torch.Tensor, sel_block: int) 
 
 
 def range_attention_fwd(q, k, v, mode: int, scale: float, block_len: int, block_stride: int, window: int,
-                        bits: torch.Tensor | None = None, sel_block: int = 0):
+                        bits: torch.Tensor | None = None, sel_block: int = 0, gated: tuple | None = None):
     """Branch output [B,T,H,Dv] (q's dtype) and log-sum-exp [B,T,H] (float32, -inf where nothing is visible).
 
-    MODE_SEL needs the selection as chosen_bits(indices, ...) and the block size `sel_block`.
+    MODE_SEL needs the selection as chosen_bits(indices, ...) and the block size `sel_block`. With
+    gated = (o_cmp, o_win, gates) (MODE_SEL), the gated sum of the three branches comes third.
     """
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -372,16 +385,19 @@ def range_attention_fwd(q, k, v, mode: int, scale: float, block_len: int, block_
     o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     idx, idx_strides, sel = _selection_args(bits, q, sel_block)
+    o_cmp, o_win, gates = gated if gated is not None else (o, o, lse)
+    out = torch.empty_like(o) if gated is not None else o
+    gate_strides = gates.stride()[:3] if gated is not None else (0, 0, 0)
     cfg = _blocks(q, Dk, Dv)
     grid = (triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)
     _range_fwd_kernel[grid](
-        q, k, v, o, lse, idx,
+        q, k, v, o, lse, idx, o_cmp, o_win, gates, out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        *idx_strides, T, NK, G, h, scale * LOG2E, block_len, block_stride, window, sel,
-        MODE=mode, **head_dims(Dk, Dv), ONE_BLOCK=sel % cfg["BLOCK_N"] == 0, **cfg,
+        *idx_strides, *gate_strides, T, NK, G, h, scale * LOG2E, block_len, block_stride, window, sel,
+        MODE=mode, **head_dims(Dk, Dv), ONE_BLOCK=sel % cfg["BLOCK_N"] == 0, GATED=gated is not None, **cfg,
     )
-    return o, lse
+    return (o, lse, out) if gated is not None else (o, lse)
 
 
 def _dkdv_splits(total_rows: int, key_tiles: int, programs: int, block_m: int, device) -> tuple[int, int]:

@@ -372,14 +372,16 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
     path = selected_path(T, h, sel_block)
+    if path == TILED:  # the tiled kernel writes the gated sum too
+        bits = chosen_bits(indices, -(-T // sel_block))
+        o_sel, lse_sel, o = range_attention_fwd(q, k, v, MODE_SEL, scale, 1, 1, 1, bits=bits, sel_block=sel_block,
+                                                gated=(o_cmp, o_win, gates))
+        return o, o_sel, lse_sel
     o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
     o_sel = torch.empty_like(o)
     lse_sel = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    opart = lsepart = lse_sel  # the block-centric partials; unused by the other paths
-    if path == TILED:
-        bits = chosen_bits(indices, -(-T // sel_block))
-        o_sel, lse_sel = range_attention_fwd(q, k, v, MODE_SEL, scale, 1, 1, 1, bits=bits, sel_block=sel_block)
-    elif path == TOKEN:
+    opart = lsepart = lse_sel  # the block-centric partials; unused by the per-token path
+    if path == TOKEN:
         _sel_token_fwd_kernel[(T, B * G)](
             q, k, v, indices, o_sel, lse_sel, *_strides(q, k, v, indices, o_sel), *lse_sel.stride()[:2],
             T, G, h, scale * LOG2E, sel_block, n, **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
