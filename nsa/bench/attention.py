@@ -182,6 +182,8 @@ SWEEP = {
     "range_block_m+range_block_n+range_warps": [(128, 128, 8), (64, 32, 4)],
     "dq_block_m+dq_block_n+dq_warps": [(128, 64, 4), (64, 32, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8)],
     "dq_block_n_tiled": [64],
+    "cmp_rows_per_split": [4096, 16384, 65536],
+    "dkdv_programs_per_sm": [2, 8],
     "dkdv_block_m": [32, 64],
     "dkdv_block_m_wide": [32],
     "dkdv_block_n": [128],
