@@ -142,7 +142,7 @@ def _cmd_bench_attention(ns: argparse.Namespace) -> int:
     attention.run(
         shapes=ns.shapes.split(","), lengths=ns.lengths, out_dir=ns.out, backward=not ns.forward_only,
         use_fla=not ns.no_fla, breakdown_at=ns.components, sweep_at=ns.sweep, batch=ns.batch,
-        sweep_params=[p for p in ns.sweep_params.split(",") if p],
+        sweep_params=[p for p in ns.sweep_params.split(",") if p], graphs=ns.graphs,
     )
     return 0
 
@@ -287,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-params", default="", metavar="NAME,...",
                    help="only these launch parameters in --sweep (default: all; see nsa/ops/triton/tuning.py)")
     p.add_argument("--batch", type=int, default=1, help="sequences per call (the tables use 1)")
+    p.add_argument("--graphs", action="store_true",
+                   help="time CUDA-graph replays of every call (NSA, dense, fla): the GPU's time without the host's "
+                        "launch time, as in a captured or compiled step; short sequences at batch 1 are host-bound")
     p.set_defaults(func=_cmd_bench_attention)
 
     p = bench.add_parser(

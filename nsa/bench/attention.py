@@ -102,7 +102,36 @@ def _timed(fn, queued: bool = False) -> float | None:
         return None
 
 
-def compare(shape: str, T: int, backward: bool, use_fla: bool, batch: int = 1) -> dict:
+def _graphed(fn):
+    """fn captured in a CUDA graph (warmed up first, so Triton compiles outside the capture): its replay, which
+    runs fn's kernels with no host launch time. None where fn cannot be captured (a host sync inside)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # capture refused (e.g. a host sync) or no memory
+        print(f"  (not captured: {str(e).splitlines()[0][:120]})")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return None
+    return graph.replay
+
+
+def _time_as(fn, graphs: bool) -> float | None:
+    """fn's time: each call as a caller sees it, or (graphs) one CUDA-graph replay of it."""
+    if not graphs:
+        return _timed(fn)
+    replay = _graphed(fn)
+    return _timed(replay) if replay else None
+
+
+def compare(shape: str, T: int, backward: bool, use_fla: bool, batch: int = 1, graphs: bool = False) -> dict:
     H, G, Dk, Dv = SHAPES[shape]
     row = {"shape": f"{shape} {H}/{G}/{Dk}", "T": T}
     try:
@@ -113,13 +142,13 @@ def compare(shape: str, T: int, backward: bool, use_fla: bool, batch: int = 1) -
     dense_fwd, dense_tensors = _dense(ins)
     fla = _fla(ins) if use_fla else None
     with torch.no_grad():
-        row["nsa_fwd_ms"] = _timed(_nsa(ins))
-        row["dense_fwd_ms"] = _timed(dense_fwd)
-        row["fla_fwd_ms"] = _timed(fla[0]) if fla else None
+        row["nsa_fwd_ms"] = _time_as(_nsa(ins), graphs)
+        row["dense_fwd_ms"] = _time_as(dense_fwd, graphs)
+        row["fla_fwd_ms"] = _time_as(fla[0], graphs) if fla else None
     if backward:
-        row["nsa_fwdbwd_ms"] = _timed(_fwd_bwd(_nsa(ins), ins))
-        row["dense_fwdbwd_ms"] = _timed(_fwd_bwd(dense_fwd, dense_tensors))
-        row["fla_fwdbwd_ms"] = _timed(_fwd_bwd(*fla)) if fla else None
+        row["nsa_fwdbwd_ms"] = _time_as(_fwd_bwd(_nsa(ins), ins), graphs)
+        row["dense_fwdbwd_ms"] = _time_as(_fwd_bwd(dense_fwd, dense_tensors), graphs)
+        row["fla_fwdbwd_ms"] = _time_as(_fwd_bwd(*fla), graphs) if fla else None
     for kind in ("fwd", "fwdbwd"):
         nsa, dense, fla_ms = (row.get(f"{who}_{kind}_ms") for who in ("nsa", "dense", "fla"))
         row[f"speedup_{kind}"] = dense / nsa if nsa and dense else None
@@ -254,7 +283,7 @@ def _set_tuning(live, values) -> None:
 
 def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = True, use_fla: bool = True,
         breakdown_at: list[int] | None = None, sweep_at: list[int] | None = None, batch: int = 1,
-        sweep_params: list[str] | None = None) -> list[dict]:
+        sweep_params: list[str] | None = None, graphs: bool = False) -> list[dict]:
     if not torch.cuda.is_available():
         raise UserError("nsa bench attention needs a CUDA GPU")
     if batch < 1:
@@ -265,13 +294,13 @@ def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = Tr
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise UserError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
-    meta = environment() | {"hyperparameters": HP, "dtype": "bfloat16", "batch": batch,
+    meta = environment() | {"hyperparameters": HP, "dtype": "bfloat16", "batch": batch, "cuda_graphs": graphs,
                             "shapes": {s: SHAPES[s] for s in shapes}}
     print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  git {meta['git']}")
     rows, paths = [], ()
     for shape in shapes:
         for T in lengths:
-            rows.append(compare(shape, T, backward, use_fla, batch))
+            rows.append(compare(shape, T, backward, use_fla, batch, graphs))
             print_row(rows[-1], list(rows[-1]))
             paths = write_results(rows, out_dir, "attention", meta)  # so far: a run cut short keeps its rows
     columns = ["shape", "T", "nsa_fwd_ms", "dense_fwd_ms", "fla_fwd_ms", "speedup_fwd", "nsa_fwdbwd_ms",
