@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nsa.ops.triton import decode, query_grad, range_attention, selected_attention, selection
+from nsa.ops.triton import decode, inverse_index, query_grad, range_attention, selected_attention, selection
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 DIMS = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64)
@@ -67,6 +67,12 @@ KERNELS = {
                                     **{f"{x}_{c}": F32 for x in ("LSE", "DELTA") for c in "CSW"}),
                                ("scale_log2", "scale"))
        for name, sel in (("tiled", 1), ("parts", 2))},
+    "index_keys": (inverse_index._entry_keys_kernel, dict(n=16, BLOCK=1024), dict(IDX=I64, KEYS=I32), ()),
+    "index_ranges": (inverse_index._key_ranges_kernel, dict(STEPS=22, BLOCK=1024),
+                     dict(SORTED=I32, STARTS=I32, COUNTS=I32, ITEMS=I32), ()),
+    "index_items": (inverse_index._items_kernel, dict(BLOCK=1024),
+                    dict(STARTS=I32, COUNTS=I32, ITEMS=I32, ITEM_END=I32, ITEM_KEY=I32, ITEM_START=I32,
+                         ITEM_COUNT=I32), ()),
     "decode_chunk": (decode._chunk_kernel, dict(**DIMS, HP=16, K=16, C=64, R=4),
                      dict(Q=BF16, KC=BF16, VC=BF16, NCMP=I64, PM=F32, PL=F32, PACC=F32, PSC=F32), ("scale_log2",)),
     "decode_select_part": (decode._select_part_kernel, dict(HP=16, BLOCK_DV=64, K=16, CT=8, PT=8, PTS=64),

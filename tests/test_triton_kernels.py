@@ -12,7 +12,8 @@ from helpers import NAMES, assert_same_selection, nsa_inputs
 from nsa.ops import nsa_attention, reference, select_blocks
 from nsa.ops.triton.range_attention import MODE_CMP, chosen_bits, range_attention_fwd
 from nsa.ops.triton import tuning
-from nsa.ops.triton.selected_attention import BLOCKS, TILED, TOKEN, inverse_index, selected_path
+from nsa.ops.triton.inverse_index import inverse_index
+from nsa.ops.triton.selected_attention import BLOCKS, TILED, TOKEN, selected_path
 from nsa.ops.triton.selection import select_blocks_fwd
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

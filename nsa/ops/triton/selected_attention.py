@@ -28,45 +28,12 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
+from .inverse_index import inverse_index
 from .query_grad import SEL_DENSE, SEL_PARTS, SEL_TILED, SelectedDQ
 from .range_attention import MODE_SEL, chosen_bits, range_attention_dkdv, range_attention_fwd
 from .tuning import TUNING
 
 TILED, TOKEN, BLOCKS = "tiled", "per-token", "block-centric"
-
-
-def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
-    """Work items over the (query, slot) entries that chose each block.
-
-    Returns (item_key, item_start, item_count, entries): item i covers
-    entries[item_start[i] : item_start[i] + item_count[i]], flat indices into
-    indices.permute(0, 2, 1, 3) ([B,G,T,n]) of queries that selected block j of key
-    (b * G + g) * Ns + j, ascending in t. The number of items is a bound known on the
-    host (no sync); unused items have count 0.
-    """
-    B, T, G, n = indices.shape
-    n_keys = B * G * num_sel_blocks
-    dev = indices.device
-    by_group = indices.permute(0, 2, 1, 3)  # [B,G,T,n]: flat order keeps t ascending within a key
-    bg = torch.arange(B * G, device=dev).view(B, G, 1, 1)
-    keys = torch.where(by_group >= 0, bg * num_sel_blocks + by_group, n_keys).reshape(-1)
-    # 32-bit keys halve the radix sort's passes (the keys are below B * G * Ns + 1).
-    key_dtype = torch.int32 if n_keys < 2**31 - 1 else torch.int64
-    sorted_keys, entries = torch.sort(keys.to(key_dtype), stable=True)
-    # Key boundaries by binary search (torch.bincount would sync with the host to size its output).
-    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=dev, dtype=key_dtype))
-    starts = bounds[:-1]
-    counts = bounds[1:] - starts
-    items_per_key = (counts + chunk - 1) // chunk
-    item_end = torch.cumsum(items_per_key, 0)
-    max_items = (B * T * G * n) // chunk + n_keys
-    item = torch.arange(max_items, device=dev)
-    item_key = torch.searchsorted(item_end, item, right=True).clamp_max(n_keys - 1)
-    within = item - (item_end[item_key] - items_per_key[item_key])
-    item_count = (counts[item_key] - within * chunk).clamp(0, chunk)
-    item_count = torch.where(item < item_end[-1], item_count, 0)
-    item_start = starts[item_key] + within * chunk
-    return item_key.to(torch.int32), item_start.to(torch.int32), item_count.to(torch.int32), entries.to(torch.int32)
 
 
 @triton.jit
