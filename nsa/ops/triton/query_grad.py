@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, head_dims, load_tile, store_tile
-from .range_attention import MODE_CMP, MODE_SEL, MODE_WIN, _blocks, _dq_keys, _key_plan, _rows
+from .range_attention import _blocks, _dq_keys, _key_plan, _rows
 from .tuning import TUNING
 
 SEL_NONE, SEL_TILED, SEL_PARTS, SEL_DENSE = 0, 1, 2, 3
@@ -86,6 +86,7 @@ def _query_grad_kernel(
     do = load_tile(DO, b * sdob + t * sdot + head * sdoh, dv, row_ok, DV)
     lse_off = b * slb + t * slt + head
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
+    # The branches' modes are range_attention's MODE_CMP (0), MODE_WIN (1) and MODE_SEL (2).
     if HAS_CMP:
         dq = _branch_dq(q, do, dq, LSE_C, DELTA_C, lse_off, row_ok, KC, VC, b * skcb + g * skcg, b * svcb + g * svcg,
                         skct, svct, NC, pid_m, b, g, t, T, h, SEL_IDX, sib, sit, sig, block_len, block_stride,
@@ -154,6 +155,3 @@ def query_grad(q: torch.Tensor, do: torch.Tensor, lse_g: torch.Tensor, delta: to
     )
     return dq
 
-
-__all__ = ["MODE_CMP", "MODE_SEL", "MODE_WIN", "SEL_DENSE", "SEL_NONE", "SEL_PARTS", "SEL_TILED", "SelectedDQ",
-           "query_grad"]
