@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nsa.bench.common import format_table, kernel_variant, print_row, time_cuda
-from nsa.bench.decode import graphed
+from nsa.bench.common import graphed
 
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/decode.py"
 HEADS, GROUPS, DIM = 12, 2, 64

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..ops import nsa_attention
 from ..ops.geometry import num_compressed_blocks
-from .common import environment, format_table, print_row, time_cuda, write_results
+from .common import environment, format_table, graphed, print_row, time_cuda, write_results
 
 SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128)}
 """name: (query heads, key/value heads, Dk, Dv)."""
@@ -103,24 +103,14 @@ def _timed(fn, queued: bool = False) -> float | None:
 
 
 def _graphed(fn):
-    """fn captured in a CUDA graph (warmed up first, so Triton compiles outside the capture): its replay, which
-    runs fn's kernels with no host launch time. None where fn cannot be captured (a host sync inside)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    """fn's CUDA-graph replay (common.graphed), or None where fn cannot be captured (a host sync inside)."""
     try:
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # capture refused (e.g. a host sync) or no memory
+        return graphed(fn)
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # capture refused, or no memory
         print(f"  (not captured: {str(e).splitlines()[0][:120]})")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         return None
-    return graph.replay
 
 
 def _time_as(fn, graphs: bool) -> float | None:

@@ -9,6 +9,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -131,3 +132,19 @@ def kernel_variant(source: Path, name: str, edits: list[tuple[str, str]], folder
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def graphed(fn: Callable[[], object], use_graph: bool = True) -> Callable[[], object]:
+    """fn captured in a CUDA graph (warmed up on a side stream first), or fn itself."""
+    if not use_graph:
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay

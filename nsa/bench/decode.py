@@ -25,27 +25,11 @@ from ..inference.cache import new_cache
 from ..inference.decode import prefill
 from ..inference.graphed import GraphedDecoder
 from ..model import Transformer
-from .common import environment, format_table, print_row, profile_to_file, write_results
+from .common import environment, format_table, graphed, print_row, profile_to_file, write_results
 
 
 PROFILE_STEPS = 5
 """Decode steps run under the profiler with --profile (the kernel count is their mean)."""
-
-
-def graphed(fn: Callable[[], object], use_graph: bool = True) -> Callable[[], object]:
-    """fn captured in a CUDA graph (warmed up on a side stream first), or fn itself."""
-    if not use_graph:
-        return fn
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _mean_ms(fn: Callable[[], object], reps: int, cuda: bool) -> float:
