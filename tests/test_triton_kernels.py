@@ -97,6 +97,7 @@ def test_triton_nsa_in_half_precision(sel_path):
     [
         (100, 2, 1, 8, 4, 4, 5),  # 25 selection blocks: two chunks of 16, with carry-over (l > d)
         (90, 3, 3, 6, 3, 9, 4),  # l'/d = 3: a chunk is not a power of two compressed tokens
+        (200, 3, 3, 6, 3, 9, 4),  # ... and later tiles see a whole chunk (no visibility mask, zero-weight columns)
         (70, 4, 2, 4, 2, 2, 20),  # n > 16: running list of 32
         (40, 6, 1, 16, 4, 4, 3),  # l = 4 l': a compressed token spans four selection blocks
         # l = 4 l' with free slots: compressed tokens not yet visible reach unforced blocks, so the
