@@ -61,22 +61,24 @@ def _chosen(BITS, off, row_ok):
 
 
 @triton.jit
-def _picked(bits, first_key, kidx, sel_block, ONE_BLOCK: tl.constexpr):
-    """Whether each row chose each key's block: [rows, 1] when all keys share first_key's block (one shift
-    per row; 64-bit shifts are several instructions), else [rows, keys]."""
-    if ONE_BLOCK:
-        return (((bits >> (first_key // sel_block)) & 1) != 0)[:, None]
-    else:
-        return ((bits[:, None] >> (kidx // sel_block)[None, :]) & 1) != 0
+def _picked(bits, kidx, sel_block):
+    """[rows, keys]: whether each row chose each key's block (key steps that span blocks; see _picked_rows)."""
+    return ((bits[:, None] >> (kidx // sel_block)[None, :]) & 1) != 0
 
 
 @triton.jit
-def _picked_t(bits, first_key, kidx, sel_block, ONE_BLOCK: tl.constexpr):
-    """_picked transposed: [1, rows] or [keys, rows]."""
-    if ONE_BLOCK:
-        return (((bits >> (first_key // sel_block)) & 1) != 0)[None, :]
-    else:
-        return ((bits[None, :] >> (kidx // sel_block)[:, None]) & 1) != 0
+def _picked_t(bits, kidx, sel_block):
+    """_picked transposed: [keys, rows]."""
+    return ((bits[None, :] >> (kidx // sel_block)[:, None]) & 1) != 0
+
+
+@triton.jit
+def _picked_rows(bits, first_key, sel_block):
+    """[rows]: whether each row chose the block holding first_key (ONE_BLOCK: a whole key step lies in one block).
+
+    A choice that is one bit per row is applied per row, not per element: as a 0 / -inf score bias (which the
+    scale's multiply absorbs into one FMA) or a +inf log-sum-exp (p = 0), instead of a select over the tile."""
+    return ((bits >> (first_key // sel_block)) & 1) != 0
 
 
 @triton.jit
@@ -108,11 +110,11 @@ def _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK: tl.constexp
 
 @triton.jit
 def _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """[rows, keys]: each row's visible range (lo, hi int32), and for MODE_SEL its choices."""
+    """[rows, keys]: each row's visible range (lo, hi int32), and for MODE_SEL its choices (unless ONE_BLOCK)."""
     k32 = kidx.to(tl.int32)  # 32-bit compares: key indices stay below T
     visible = (k32[None, :] >= lo[:, None]) & (k32[None, :] <= hi[:, None]) & row_ok[:, None]
-    if MODE == 2:
-        visible = visible & _picked(chosen, start, kidx, sel_block, ONE_BLOCK)
+    if MODE == 2 and not ONE_BLOCK:  # ONE_BLOCK: the callers apply the choice per row
+        visible = visible & _picked(chosen, kidx, sel_block)
     return visible
 
 
@@ -124,11 +126,13 @@ def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok
     for start in range(first, last, BLOCK_N):
         kidx, k, v = _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK, DV, BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * scale_log2
+        if MODE == 2 and ONE_BLOCK:
+            s += tl.where(_picked_rows(chosen, start, sel_block), 0.0, float("-inf"))[:, None]
         if MASKED:
             visible = _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK)
             s = tl.where(visible, s, float("-inf"))
-        elif MODE == 2:
-            s = tl.where(_picked(chosen, start, kidx, sel_block, ONE_BLOCK), s, float("-inf"))
+        elif MODE == 2 and not ONE_BLOCK:
+            s = tl.where(_picked(chosen, kidx, sel_block), s, float("-inf"))
         m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
     return m_i, l_i, acc
 
@@ -203,12 +207,16 @@ def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last
              DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
     for start in range(first, last, BLOCK_N):
         kidx, k, v = _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK, DV, BLOCK_N)
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])
+        if MODE == 2 and ONE_BLOCK:
+            p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 -
+                        tl.where(_picked_rows(chosen, start, sel_block), lse2, float("inf"))[:, None])
+        else:
+            p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])
         if MASKED:
             visible = _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK)
             p = tl.where(visible, p, 0.0)
-        elif MODE == 2:
-            p = tl.where(_picked(chosen, start, kidx, sel_block, ONE_BLOCK), p, 0.0)
+        elif MODE == 2 and not ONE_BLOCK:
+            p = tl.where(_picked(chosen, kidx, sel_block), p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     return dq
@@ -243,16 +251,18 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h: tl.co
         q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
         do, lse2, delta = load_grad_rows(DO, LSE, DELTA, b * sdob + t * sdot + head * sdoh, b * slb + t * slt + head,
                                          dv, row_ok, DV)
+        if MODE == 2:
+            bits = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
+            if ONE_BLOCK:
+                lse2 = tl.where(_picked_rows(bits, k_first, sel_block), lse2, float("inf"))
         pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
             visible = _sees(kidx32, t32, MODE, block_len, block_stride, window) & row_ok[None, :] & k_ok[:, None]
-            if MODE == 2:
-                bits = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
-                visible = visible & _picked_t(bits, k_first, kidx, sel_block, ONE_BLOCK)
+            if MODE == 2 and not ONE_BLOCK:
+                visible = visible & _picked_t(bits, kidx, sel_block)
             pt = tl.where(visible, pt, 0.0)
-        elif MODE == 2:
-            bits = _chosen(IDX, b * sib + t * sit + g * sig, row_ok)
-            pt = tl.where(_picked_t(bits, k_first, kidx, sel_block, ONE_BLOCK), pt, 0.0)
+        elif MODE == 2 and not ONE_BLOCK:
+            pt = tl.where(_picked_t(bits, kidx, sel_block), pt, 0.0)
         dv_acc += tl.dot(pt.to(do.dtype), do)
         dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk_acc += tl.dot(dst.to(q.dtype), q)
