@@ -21,14 +21,16 @@ from nsa.ops.triton.range_attention import MODE_CMP, range_attention_fwd
 
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/selection.py"
 COLUMNS = ["variant", "ms", "differs"]
-MERGE = "best = _merge_top(best, tl.where(candidate, key, -1))"
+MERGE = "return _merge_top(best, tl.where(candidate, key, -1)), carry"
+TRANS = "trans = block_t * hp <= TUNING.select_transposed_max_rows"
 VARIANTS = {
     "as shipped": [],
-    "general overlap products": [("R=stencil_rank(block_len, block_stride, sel_block)", "R=0")],
-    "no ranking (elementwise max)": [(MERGE, "best = tl.maximum(best, tl.where(candidate, key, -1))")],
-    "chunk sort, no merge": [(MERGE, "best = tl.maximum(best, tl.sort(tl.where(candidate, key, -1)))")],
-    "no exp (scores = s)": [("p = tl.exp2(tl.where(visible, s - lse2[:, None], float(\"-inf\")))",
-                             "p = tl.where(visible, s, 0.0)")],
+    "scores untransposed": [(TRANS, "trans = False")],
+    "scores transposed": [(TRANS, "trans = True")],
+    "two-weight stencil, transposed": [("R = 0 if trans else stencil_rank(", "R = stencil_rank(")],
+    "no ranking (elementwise max)": [(MERGE, "return tl.maximum(best, tl.where(candidate, key, -1)), carry")],
+    "chunk sort, no merge": [(MERGE, "return tl.maximum(best, tl.sort(tl.where(candidate, key, -1))), carry")],
+    "no exp": [("tl.exp2(st)", "tl.maximum(st, 0.0)"), ("tl.exp2(s)", "tl.maximum(s, 0.0)")],
 }
 
 

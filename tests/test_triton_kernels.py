@@ -109,7 +109,11 @@ def test_triton_nsa_in_half_precision(sel_path):
         (200, 4, 2, 8, 4, 8, 4),
     ],
 )
-def test_selection_kernel_matches_reference(T, H, G, l, d, lp, n):
+@pytest.mark.parametrize("transposed", [True, False])
+def test_selection_kernel_matches_reference(T, H, G, l, d, lp, n, transposed, monkeypatch):
+    # Both layouts of the scores (transposed up to select_transposed_max_rows rows, with Eq. 9 as overlap products;
+    # untransposed beyond, with the two-weight stencil where the geometry allows it).
+    monkeypatch.setattr(tuning.TUNING, "select_transposed_max_rows", 10**9 if transposed else 0)
     q, k_cmp, *_ = inputs(1, T, H, G, 8, 8, block_len=l, block_stride=d, seed=T)
     idx = select_blocks(q, k_cmp, block_len=l, block_stride=d, sel_block=lp, n_sel=n, backend="triton")
     ref = reference.select_blocks(q, k_cmp, block_len=l, block_stride=d, sel_block=lp, n_sel=n)

@@ -5,9 +5,10 @@ blocks in chunks of K, recomputing p_cmp = exp(q.k_cmp * scale - lse_cmp) for th
 compressed tokens that start inside the chunk, sums the group's heads, maps them to
 selection-block scores with the overlap weights, and merges the chunk into a running
 top-K list per token. No [T, Nc] or [T, Ns] matrix ever exists. The mapping is a small
-exact-fp32 matrix product in general; where l <= l' and l'/d is a power of two (M7C,
-the paper) it is two weights per rank of a token in its block and a one-column shift
-(measured on H100 at 64k: M7C 3.96 -> 3.43 ms, paper 13.2 -> 11.2 ms).
+exact-fp32 matrix product with the overlap weights. Where the scores are untransposed
+(tiles of more than 128 rows: the paper; see _chunk_p) and l <= l' with l'/d a power of
+two, it is two weights per rank of a token in its block and a one-column shift
+(measured on H100 at 64k: paper 13.2 -> 11.2 ms).
 
 A compressed token starting in chunk c can reach into chunk c + 1 (it spans l
 tokens); that part is carried over. Ranking uses one int64 key per block:
@@ -45,26 +46,36 @@ def _merge_top(best, key):
 @triton.jit
 def _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_log2, block_len, block_stride,
              DK: tl.constexpr, BLOCK_T: tl.constexpr, HP: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-             MASKED: tl.constexpr):
+             TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr):
     """[BLOCK_T, C]: p_cmp summed over the group's heads, for the compressed tokens starting in chunk c.
 
-    The scores are computed transposed ([C, rows]): a token's HP heads are then neighbouring columns of the matrix
-    product, which sum mostly within a thread; as rows they sat in eight lanes and took three shuffle rounds per
-    value (compiled for sm_90: 1,815 -> 1,369 instructions per chunk). Unmasked chunks are those every row of the
-    tile sees whole; padded heads and rows past T have lse2 = +inf there, so their p is 0 without a mask.
+    TRANS computes the scores transposed ([C, rows]): a token's HP heads are then neighbouring columns of the
+    matrix product, which sum mostly within a thread; as rows they sit in HP lanes, three shuffle rounds per value
+    at HP = 8 (M7C at 64k on an H100: 3.43 -> 3.07 ms). Tiles of more than 128 rows stay untransposed (a [C, rows]
+    product on 8 warps computes twice). Unmasked chunks are those every row of the tile sees whole; padded heads and
+    rows past T have lse2 = +inf, so their p is 0 without a mask.
     """
     ci = c * chunk_tokens + ci_local
     ci_ok = (ci_local < chunk_tokens) & (ci < NC)
     kc = tl.load(kbase + ci.to(tl.int64)[:, None] * skt + dk[None, :], mask=ci_ok[:, None] & (dk[None, :] < DK),
                  other=0.0)
-    st = tl.dot(kc, tl.trans(q)) * scale_log2 - lse2[None, :]
-    if MASKED:
-        visible = ((ci * block_stride + block_len - 1)[:, None] <= rt[None, :]) & ci_ok[:, None]
-        st = tl.where(visible, st, float("-inf"))
-    elif R == 0:
-        # Columns of the next chunk (C > chunk_tokens) get zero weights, but their p could overflow: 0 * inf.
-        st = tl.where(ci_ok[:, None], st, float("-inf"))
-    return tl.trans(tl.sum(tl.reshape(tl.exp2(st), [C, BLOCK_T, HP]), axis=2))
+    if TRANS:
+        st = tl.dot(kc, tl.trans(q)) * scale_log2 - lse2[None, :]
+        if MASKED:
+            st = tl.where(((ci * block_stride + block_len - 1)[:, None] <= rt[None, :]) & ci_ok[:, None], st,
+                          float("-inf"))
+        elif not EXACT:
+            # Columns of the next chunk (C > chunk_tokens) get zero weights, but their p could overflow: 0 * inf.
+            st = tl.where(ci_ok[:, None], st, float("-inf"))
+        return tl.trans(tl.sum(tl.reshape(tl.exp2(st), [C, BLOCK_T, HP]), axis=2))
+    else:
+        s = tl.dot(q, tl.trans(kc)) * scale_log2 - lse2[:, None]
+        if MASKED:
+            s = tl.where((ci[None, :] * block_stride + block_len - 1 <= rt[:, None]) & ci_ok[None, :], s,
+                         float("-inf"))
+        elif not EXACT:
+            s = tl.where(ci_ok[None, :], s, float("-inf"))
+        return tl.sum(tl.reshape(tl.exp2(s), [BLOCK_T, HP, C]), axis=1)
 
 
 @triton.jit
@@ -95,7 +106,7 @@ def _select_kernel(
     sqb, sqt, sqh, skb, skt, skg, slb, slt, sib, sit, sig,
     T, NC, G, h, scale_log2, block_len, block_stride, sel_block, n_sel, chunk_tokens,
     DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_T: tl.constexpr, HP: tl.constexpr,
-    K: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+    K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bg = tl.program_id(1)
@@ -145,11 +156,11 @@ def _select_kernel(
     kbase = KC + b * skb + g * skg
     for c in range(0, n_whole):
         p_tok = _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_log2, block_len,
-                         block_stride, DK, BLOCK_T, HP, C, R, False)
+                         block_stride, DK, BLOCK_T, HP, C, R, TRANS, EXACT, False)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
     for c in range(n_whole, n_chunks):
         p_tok = _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_log2, block_len,
-                         block_stride, DK, BLOCK_T, HP, C, R, True)
+                         block_stride, DK, BLOCK_T, HP, C, R, TRANS, EXACT, True)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
 
     # `best` is sorted by key, descending: keep the first n_sel, then order them by block index.
@@ -183,13 +194,18 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
     on_gpu = q.device.type == "cuda"
     block_t = TUNING.select_block_t if on_gpu else 16
     grid = (triton.cdiv(T, block_t), B * G)
+    trans = block_t * hp <= TUNING.select_transposed_max_rows
+    # Transposed, Eq. 9 as products with the overlap weights beats the two-weight stencil, whose sums over a block's
+    # ranks then cross lanes (M7C at 64k on an H100: 2.71 against 3.07 ms).
+    R = 0 if trans else stencil_rank(block_len, block_stride, sel_block)
+    C = max(16, triton.next_power_of_2(chunk_tokens))
     _select_kernel[grid](
         q, k_cmp, lse_cmp, idx,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         lse_cmp.stride(0), lse_cmp.stride(1), idx.stride(0), idx.stride(1), idx.stride(2),
         T, NC, G, h, scale * LOG2E, block_len, block_stride, sel_block, n_sel, chunk_tokens,
         DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
-        HP=hp, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), R=stencil_rank(block_len, block_stride, sel_block),
+        HP=hp, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens,
         num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
         num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
     )
