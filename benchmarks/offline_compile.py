@@ -39,10 +39,11 @@ DIVISIBLE = {
 KERNELS = {
     "select": (selection._select_kernel, dict(DK=64, BLOCK_DK=64, BLOCK_T=16, HP=8, K=16, C=64, R=0, TRANS=True, EXACT=True),
                dict(Q=BF16, KC=BF16, LSE=F32, IDX=I64), ("scale_log2",)),
-    "sel_fwd_partial": (selected_attention._sel_fwd_partial_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64, h=6, n=16),
+    "sel_fwd_partial": (selected_attention._sel_fwd_partial_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64, h=6, n=16,
+                                                                        FULL=True),
                         dict(Q=BF16, K=BF16, V=BF16, OPART=BF16, LSEPART=F32, ITEM_KEY=I32, ITEM_START=I32,
                              ITEM_COUNT=I32, ENTRIES=I32), ("scale_log2",)),
-    "sel_bwd": (selected_attention._sel_bwd_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64, WRITE_DQ=True, h=6, n=16),
+    "sel_bwd": (selected_attention._sel_bwd_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64, WRITE_DQ=True, h=6, n=16, FULL=True),
                 dict(Q=BF16, K=BF16, V=BF16, DO=BF16, LSE=F32, DELTA=F32, DKo=F32, DVo=F32, DQPART=BF16,
                      ITEM_KEY=I32, ITEM_START=I32, ITEM_COUNT=I32, ENTRIES=I32), ("scale_log2", "scale")),
     "sel_token_dq": (selected_attention._sel_token_dq_kernel, dict(**DIMS, HP=16, BLOCK_L=64),

@@ -81,12 +81,51 @@ def _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t, hh, row_ok, sqb, sqt, sqh, sd
 
 
 @triton.jit
+def _masked_steps(ENTRIES, start, count, bg, T, j, sel_block, n: tl.constexpr, h: tl.constexpr,
+                  BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr):
+    """Rows [0, end) of an item: the steps that hold queries inside its block, which see only part of it (the
+    causal mask); later rows see all of it. Entries are sorted by query, so those queries come first, and a block
+    holds fewer than BLOCK_L of them. FULL: BLOCK_L == sel_block (else every step is masked)."""
+    if FULL:
+        e = tl.arange(0, BLOCK_L)
+        t = tl.load(ENTRIES + start + e, mask=e < count, other=0) // n - bg * T
+        inside = tl.sum(((e < count) & (t < j * sel_block + sel_block - 1)).to(tl.int32))
+        return tl.minimum(tl.cdiv(inside * h, BLOCK_R) * BLOCK_R, count * h)
+    else:
+        return count * h
+
+
+@triton.jit
+def _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, first, last, b, g, bg, T, k, v, pos, k_ok,
+                      sqb, sqt, sqh, scale_log2, dk, dv, n: tl.constexpr, h: tl.constexpr,
+                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, MASKED: tl.constexpr):
+    """Each row's partial output and log-sum-exp (log2 units) over the item's block, for row steps [first, last).
+
+    The scale is applied in the exponent's FMA (the row maximum of the raw scores, scale > 0), and the rows
+    normalised by a reciprocal: one instruction per element each, where a multiply, a subtract and a division
+    were (the kernel is bound by instruction issue)."""
+    for r0 in range(first, last, BLOCK_R):
+        row_ok, f, t, hh = _item_rows(ENTRIES, start, r0, count, bg, T, n, h, BLOCK_R)
+        q = load_tile(Q, b * sqb + t.to(tl.int64) * sqt + (g * h + hh).to(tl.int64) * sqh, dk, row_ok, DK)
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            s = tl.where(k_ok[None, :] & (pos[None, :] <= t[:, None]), s, float("-inf"))
+        m = tl.where(row_ok, tl.max(s, 1), 0.0) * scale_log2  # a selected block always holds a key <= t
+        p = tl.exp2(s * scale_log2 - m[:, None])
+        l_sum = tl.sum(p, 1)
+        l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+        part = f * h + hh
+        store_tile(OPART, part * DV, dv, row_ok, tl.dot(p.to(v.dtype), v) * (1.0 / l_safe)[:, None], DV)
+        tl.store(LSEPART + part, m + tl.log2(l_safe), mask=row_ok)
+
+
+@triton.jit
 def _sel_fwd_partial_kernel(
     Q, K, V, OPART, LSEPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg,
     T, G, NS, n: tl.constexpr, h: tl.constexpr, scale_log2, sel_block,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr,
 ):
     item = tl.program_id(0)
     count = tl.load(ITEM_COUNT + item)
@@ -95,18 +134,12 @@ def _sel_fwd_partial_kernel(
         dv = tl.arange(0, BLOCK_DV)
         start, b, g, bg, pos, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
                                                     T, G, NS, sel_block, dk, dv, DK, DV, BLOCK_L)
-        for r0 in range(0, count * h, BLOCK_R):
-            row_ok, f, t, hh = _item_rows(ENTRIES, start, r0, count, bg, T, n, h, BLOCK_R)
-            q = load_tile(Q, b * sqb + t.to(tl.int64) * sqt + (g * h + hh).to(tl.int64) * sqh, dk, row_ok, DK)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
-            s = tl.where(k_ok[None, :] & (pos[None, :] <= t[:, None]), s, float("-inf"))
-            m = tl.where(row_ok, tl.max(s, 1), 0.0)  # a selected block always holds a key <= t
-            p = tl.exp2(s - m[:, None])
-            l_sum = tl.sum(p, 1)
-            l_safe = tl.where(l_sum > 0, l_sum, 1.0)
-            part = f * h + hh
-            store_tile(OPART, part * DV, dv, row_ok, tl.dot(p.to(v.dtype), v) / l_safe[:, None], DV)
-            tl.store(LSEPART + part, m + tl.log2(l_safe), mask=row_ok)
+        split = _masked_steps(ENTRIES, start, count, bg, T, tl.load(ITEM_KEY + item) % NS, sel_block, n, h,
+                              BLOCK_L, BLOCK_R, FULL)
+        _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, 0, split, b, g, bg, T, k, v, pos, k_ok,
+                          sqb, sqt, sqh, scale_log2, dk, dv, n, h, DK, DV, BLOCK_R, True)
+        _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, split, count * h, b, g, bg, T, k, v, pos, k_ok,
+                          sqb, sqt, sqh, scale_log2, dk, dv, n, h, DK, DV, BLOCK_R, False)
 
 
 @triton.jit
@@ -240,13 +273,44 @@ def _finalize_kernel(
 
 
 @triton.jit
+def _bwd_rows(Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, first, last, b, g, bg, T, k, v, pos, k_ok,
+              dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2,
+              sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, scale_log2, scale, dk, dv,
+              n: tl.constexpr, h: tl.constexpr, WRITE_DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BLOCK_R: tl.constexpr, MASKED: tl.constexpr):
+    """The block's dK/dV (and each row's dQ partial) over row steps [first, last). The gathers run ahead of the
+    math (they depend on the entries, which the loop cannot pipeline): each step loads the next step's rows and
+    the entries of the step after, carried in (ok1, ...) and (ok2, ...). Measured on an H100 at 64k: 6.18 ->
+    5.21 ms (M7C), 63.5 -> 56.8 (paper); the same in the forward partials was slower (3.76 -> 4.46 ms)."""
+    for r0 in range(first, last, BLOCK_R):
+        row_ok, f, t, hh, q, do, lse2, delta = ok1, f1, t1, hh1, q1, do1, lse1, delta1
+        ok1, f1, t1, hh1 = ok2, f2, t2, hh2
+        q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
+                                                sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
+        ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, r0 + 2 * BLOCK_R, count, bg, T, n, h, BLOCK_R)
+        # Rows-major tiles measured faster on H200 than keys-major ones (which avoid the transposes):
+        # 6.6 vs 12.1 ms at M7C 64k, 67 vs 97 ms at the paper shape (benchmarks/RESULTS.md).
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])  # [BLOCK_R, BLOCK_L]
+        if MASKED:
+            p = tl.where(k_ok[None, :] & row_ok[:, None] & (pos[None, :] <= t[:, None]), p, 0.0)
+        else:  # rows past the item's end (last step) gathered row 0 of q and do, with lse and delta 0
+            p = tl.where(row_ok[:, None], p, 0.0)
+        dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        if WRITE_DQ:
+            store_tile(DQPART, (f * h + hh) * DK, dk, row_ok, tl.dot(ds.to(k.dtype), k) * scale, DK)
+    return dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2
+
+
+@triton.jit
 def _sel_bwd_kernel(
     Q, K, V, DO, LSE, DELTA, DKo, DVo, DQPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
     T, G, NS, n: tl.constexpr, h: tl.constexpr, scale_log2, scale, sel_block,
     WRITE_DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr,
 ):
     item = tl.program_id(0)
     count = tl.load(ITEM_COUNT + item)
@@ -255,31 +319,24 @@ def _sel_bwd_kernel(
         dv = tl.arange(0, BLOCK_DV)
         start, b, g, bg, pos, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
                                                     T, G, NS, sel_block, dk, dv, DK, DV, BLOCK_L)
+        split = _masked_steps(ENTRIES, start, count, bg, T, tl.load(ITEM_KEY + item) % NS, sel_block, n, h,
+                              BLOCK_L, BLOCK_R, FULL)
         dk_acc = tl.zeros([BLOCK_L, BLOCK_DK], tl.float32)
         dv_acc = tl.zeros([BLOCK_L, BLOCK_DV], tl.float32)
-        # The gathers run ahead of the math (they depend on the entries, which the loop cannot pipeline): each
-        # step loads the next step's rows and the entries of the step after. Measured on an H100 at 64k: 6.18 ->
-        # 5.21 ms (M7C), 63.5 -> 56.8 (paper); the same in the forward partials was slower (3.76 -> 4.46 ms).
         ok1, f1, t1, hh1 = _item_rows(ENTRIES, start, 0, count, bg, T, n, h, BLOCK_R)
         q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
                                                 sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
         ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, BLOCK_R, count, bg, T, n, h, BLOCK_R)
-        for r0 in range(0, count * h, BLOCK_R):
-            row_ok, f, t, hh, q, do, lse2, delta = ok1, f1, t1, hh1, q1, do1, lse1, delta1
-            ok1, f1, t1, hh1 = ok2, f2, t2, hh2
-            q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
-                                                    sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
-            ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, r0 + 2 * BLOCK_R, count, bg, T, n, h, BLOCK_R)
-            visible = k_ok[None, :] & row_ok[:, None] & (pos[None, :] <= t[:, None])
-            # Rows-major tiles measured faster on H200 than keys-major ones (which avoid the transposes):
-            # 6.6 vs 12.1 ms at M7C 64k, 67 vs 97 ms at the paper shape (benchmarks/RESULTS.md).
-            s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_R, BLOCK_L]
-            p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
-            dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-            dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            if WRITE_DQ:
-                store_tile(DQPART, (f * h + hh) * DK, dk, row_ok, tl.dot(ds.to(k.dtype), k) * scale, DK)
+        dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2 = _bwd_rows(
+            Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, 0, split, b, g, bg, T, k, v, pos, k_ok,
+            dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2,
+            sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, scale_log2, scale, dk, dv, n, h, WRITE_DQ, DK, DV, BLOCK_R,
+            True)
+        dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2 = _bwd_rows(
+            Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, split, count * h, b, g, bg, T, k, v, pos, k_ok,
+            dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2,
+            sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, scale_log2, scale, dk, dv, n, h, WRITE_DQ, DK, DV, BLOCK_R,
+            False)
         # Relaxed atomics: see range_attention's dK/dV kernel (measured 5.21 -> 4.80 ms here at M7C 64k, H100).
         kidx = pos.to(tl.int64)
         tl.atomic_add(DKo + (b * sdkb + g * sdkg + kidx * sdkt)[:, None] + dk[None, :], dk_acc * scale,
@@ -297,6 +354,13 @@ def _item_launch(q: torch.Tensor, dv: int) -> dict:
     if max(q.shape[-1], dv) > 64:
         return dict(BLOCK_R=TUNING.sel_block_r_wide, num_warps=TUNING.sel_warps_wide)
     return dict(BLOCK_R=TUNING.sel_block_r, num_warps=TUNING.sel_warps)
+
+
+def _block_launch(sel_block: int) -> dict:
+    """The block-centric kernels' key tile: the block (FULL) or, for a block size that is not a power of two,
+    the next one up (whose extra keys every row masks)."""
+    block_l = max(16, triton.next_power_of_2(sel_block))
+    return dict(BLOCK_L=block_l, FULL=block_l == sel_block)
 
 
 def _token_launch(q: torch.Tensor, h: int, sel_block: int) -> dict:
@@ -360,7 +424,7 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
         _sel_fwd_partial_kernel[(item_key.numel(),)](
             q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_strides(q, k, v),
             T, G, -(-T // sel_block), n, h, scale * LOG2E, sel_block,
-            **head_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q, Dv),
+            **head_dims(Dk, Dv), **_block_launch(sel_block), **_item_launch(q, Dv),
         )
     cfg = _row_launch(o)
     _finalize_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
@@ -399,7 +463,7 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, s
         q, k, v, do, lse, delta, dk_out, dv_out, dqpart, item_key, item_start, item_count, entries,
         *grad_strides, *_strides(dk_out, dv_out),
         T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block, WRITE_DQ=not token,
-        **head_dims(Dk, Dv), BLOCK_L=max(16, triton.next_power_of_2(sel_block)), **_item_launch(q, Dv),
+        **head_dims(Dk, Dv), **_block_launch(sel_block), **_item_launch(q, Dv),
     )
     if not token:
         return dk_out, dv_out, SelectedDQ(SEL_PARTS, choice=indices, parts=dqpart)
