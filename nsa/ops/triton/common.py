@@ -32,11 +32,19 @@ def load_grad_rows(DO, LSE, DELTA, do_off, lse_off, dv, row_ok, DV: tl.constexpr
 
 
 @triton.jit
-def softmax_step(s, v, m_i, l_i, acc):
-    """One online-softmax update for scores s (log2 units, -inf where masked) over values v."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def softmax_step(s, v, m_i, l_i, acc, scale_log2, pick, PICK: tl.constexpr):
+    """One online-softmax update for raw scores s (-inf where masked) over values v; m_i in log2 units. With PICK,
+    only the rows where `pick` holds take part (the others' p is 0: exponents against +inf).
+
+    The scale enters the exponent's FMA (and the row maximum once, scale > 0), and the row choice a per-row
+    operand, instead of a multiply and a select over the tile: kernels here are bound by instruction issue."""
+    row_max = tl.max(s, 1) * scale_log2
+    if PICK:
+        row_max = tl.where(pick, row_max, float("-inf"))
+    m_new = tl.maximum(m_i, row_max)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-    p = tl.exp2(s - m_safe[:, None])
+    m_exp = tl.where(pick, m_safe, float("inf")) if PICK else m_safe
+    p = tl.exp2(s * scale_log2 - m_exp[:, None])
     alpha = tl.exp2(m_i - m_safe)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 

@@ -76,8 +76,8 @@ def _picked_t(bits, kidx, sel_block):
 def _picked_rows(bits, first_key, sel_block):
     """[rows]: whether each row chose the block holding first_key (ONE_BLOCK: a whole key step lies in one block).
 
-    A choice that is one bit per row is applied per row, not per element: as a 0 / -inf score bias (which the
-    scale's multiply absorbs into one FMA) or a +inf log-sum-exp (p = 0), instead of a select over the tile."""
+    A choice that is one bit per row is applied per row, not per element: as a +inf log-sum-exp or softmax
+    maximum (p = 0), instead of a select over the tile."""
     return ((bits >> (first_key // sel_block)) & 1) != 0
 
 
@@ -112,7 +112,9 @@ def _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK: tl.constexp
 def _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """[rows, keys]: each row's visible range (lo, hi int32), and for MODE_SEL its choices (unless ONE_BLOCK)."""
     k32 = kidx.to(tl.int32)  # 32-bit compares: key indices stay below T
-    visible = (k32[None, :] >= lo[:, None]) & (k32[None, :] <= hi[:, None]) & row_ok[:, None]
+    visible = (k32[None, :] <= hi[:, None]) & row_ok[:, None]
+    if MODE != 0:  # the compressed range starts at key 0
+        visible = visible & (k32[None, :] >= lo[:, None])
     if MODE == 2 and not ONE_BLOCK:  # ONE_BLOCK: the callers apply the choice per row
         visible = visible & _picked(chosen, kidx, sel_block)
     return visible
@@ -125,15 +127,14 @@ def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok
     """Online softmax over key steps [first, last); MASKED applies each row's visible range (and choice)."""
     for start in range(first, last, BLOCK_N):
         kidx, k, v = _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK, DV, BLOCK_N)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        if MODE == 2 and ONE_BLOCK:
-            s += tl.where(_picked_rows(chosen, start, sel_block), 0.0, float("-inf"))[:, None]
+        s = tl.dot(q, tl.trans(k))  # raw: softmax_step scales
+        pick = _picked_rows(chosen, start, sel_block) if MODE == 2 and ONE_BLOCK else row_ok
         if MASKED:
             visible = _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK)
             s = tl.where(visible, s, float("-inf"))
         elif MODE == 2 and not ONE_BLOCK:
             s = tl.where(_picked(chosen, kidx, sel_block), s, float("-inf"))
-        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, scale_log2, pick, MODE == 2 and ONE_BLOCK)
     return m_i, l_i, acc
 
 

@@ -181,8 +181,8 @@ def _sel_token_fwd_kernel(
     for slot in range(n_sel):
         k_ok, k, v = _token_block(IDX, b * sib + t * sit + g * sig, slot, K, V, b * skb + g * skg, b * svb + g * svg,
                                   skt, svt, t, sel_block, lk, dk, dv, DK, DV)
-        s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc)
+        s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, scale_log2, row_ok, False)
     out, lse = softmax_finish(m_i, l_i, acc)  # the current block is always selected: l_i > 0
     store_tile(O, b * sob + t * sot + head * soh, dv, row_ok, out, DV)
     tl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
