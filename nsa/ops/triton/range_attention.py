@@ -110,11 +110,16 @@ def _key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK: tl.constexp
 
 @triton.jit
 def _visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """[rows, keys]: each row's visible range (lo, hi int32), and for MODE_SEL its choices (unless ONE_BLOCK)."""
+    """[rows, keys]: each row's visible range (lo, hi int32), and for MODE_SEL its choices (unless ONE_BLOCK).
+
+    One compare per element: rows past the end get an empty range (per row), and the window's two bounds are
+    one unsigned compare of hi - key against the range's length (a masked step was ~2x an unmasked one)."""
     k32 = kidx.to(tl.int32)  # 32-bit compares: key indices stay below T
-    visible = (k32[None, :] <= hi[:, None]) & row_ok[:, None]
-    if MODE != 0:  # the compressed range starts at key 0
-        visible = visible & (k32[None, :] >= lo[:, None])
+    if MODE == 1:
+        span = tl.where(row_ok, hi - lo + 1, 0).to(tl.uint32)
+        visible = (hi[:, None] - k32[None, :]).to(tl.uint32) < span[:, None]
+    else:  # ranges from key 0
+        visible = k32[None, :] <= tl.where(row_ok, hi, -1)[:, None]
     if MODE == 2 and not ONE_BLOCK:  # ONE_BLOCK: the callers apply the choice per row
         visible = visible & _picked(chosen, kidx, sel_block)
     return visible
@@ -224,15 +229,17 @@ def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last
 
 
 @triton.jit
-def _sees(kidx, t, MODE: tl.constexpr, block_len, block_stride, window):
-    """[keys, rows]: whether query token t sees key kidx (int32 both). Written per key, never dividing per row:
-    an int64 division by a runtime stride is a ~100-instruction subroutine call on the GPU."""
+def _sees(kidx, k_ok, t, row_ok, MODE: tl.constexpr, block_len, block_stride, window):
+    """[keys, rows]: whether query token t sees key kidx (int32 both), false for keys or rows out of range. One
+    compare per element (the ranges folded per key and per row); written per key, never dividing per row: an
+    int64 division by a runtime stride is a ~100-instruction subroutine call on the GPU."""
     if MODE == 0:
-        return (kidx * block_stride + block_len - 1)[:, None] <= t[None, :]
-    elif MODE == 1:
-        return (kidx[:, None] <= t[None, :]) & (kidx[:, None] + window > t[None, :])
-    else:
-        return kidx[:, None] <= t[None, :]
+        last = tl.where(k_ok, kidx * block_stride + block_len - 1, 2147483647)  # the first query that sees it
+        return last[:, None] <= tl.where(row_ok, t, -1)[None, :]
+    elif MODE == 1:  # 0 <= t - key < window (keys past the end have key > t)
+        return (tl.where(row_ok, t, -2147483647)[None, :] - kidx[:, None]).to(tl.uint32) < window
+    else:  # keys past the end have key > t
+        return kidx[:, None] <= tl.where(row_ok, t, -1)[None, :]
 
 
 @triton.jit
@@ -258,7 +265,7 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h: tl.co
                 lse2 = tl.where(_picked_rows(bits, k_first, sel_block), lse2, float("inf"))
         pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
-            visible = _sees(kidx32, t32, MODE, block_len, block_stride, window) & row_ok[None, :] & k_ok[:, None]
+            visible = _sees(kidx32, k_ok, t32, row_ok, MODE, block_len, block_stride, window)
             if MODE == 2 and not ONE_BLOCK:
                 visible = visible & _picked_t(bits, kidx, sel_block)
             pt = tl.where(visible, pt, 0.0)
