@@ -61,8 +61,8 @@ KERNELS = {
                                    ("dkdv", range_attention._range_bwd_dkdv_kernel, dict(ATOMIC=True)))
        for m, mode in enumerate(("cmp", "win", "sel"))},
     **{f"query_grad_{name}": (query_grad._query_grad_kernel,
-                               dict(**DIMS, HAS_CMP=True, HAS_WIN=True, SEL=sel, NP=16, BLOCK_M=128, BLOCK_N=64,
-                                    ONE_BLOCK=True, h=6),
+                               dict(**DIMS, HAS_CMP=True, HAS_WIN=True, SEL=sel, NP=16, BLOCK_M=64,
+                                    BLOCK_N=32 if sel == 1 else 64, ONE_BLOCK=True, h=6),  # Tuning's dq tiles
                                dict(Q=BF16, DO=BF16, DQ=BF16, KC=BF16, VC=BF16, KS=BF16, VS=BF16, KW=BF16, VW=BF16,
                                     SEL_IDX=I64, PARTS=BF16, DQ_SEL=F32,
                                     **{f"{x}_{c}": F32 for x in ("LSE", "DELTA") for c in "CSW"}),
