@@ -236,8 +236,8 @@ def _sees(kidx, k_ok, t, row_ok, MODE: tl.constexpr, block_len, block_stride, wi
     if MODE == 0:
         last = tl.where(k_ok, kidx * block_stride + block_len - 1, 2147483647)  # the first query that sees it
         return last[:, None] <= tl.where(row_ok, t, -1)[None, :]
-    elif MODE == 1:  # 0 <= t - key < window (keys past the end have key > t)
-        return (tl.where(row_ok, t, -2147483647)[None, :] - kidx[:, None]).to(tl.uint32) < window
+    elif MODE == 1:  # 0 <= t - key < window, unsigned (keys past the end have key > t; rows past it, t = -2^30)
+        return (tl.where(row_ok, t, -1073741824)[None, :] - kidx[:, None]).to(tl.uint32) < window.to(tl.uint32)
     else:  # keys past the end have key > t
         return kidx[:, None] <= tl.where(row_ok, t, -1)[None, :]
 

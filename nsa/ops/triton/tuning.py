@@ -55,8 +55,9 @@ class Tuning:
     select_warps: int = 4
     select_transposed_max_rows: int = 128
     """The selection kernel computes its scores transposed while a tile has at most this many (token, head) rows
-    (select_block_t x heads per group, padded to a power of two): M7C, 128 rows, 3.43 -> 2.71 ms at 64k on an
-    H100; the paper shape's 256 rows on 8 warps took 11.3 -> 19.4 ms transposed."""
+    (select_block_t x heads per group, padded to a power of two). M7C, 128 rows: 2.87 ms untransposed, 2.44
+    transposed at 64k on an H100 (one call; the kernel as shipped read 2.50); the paper shape's 256 rows on 8
+    warps took 11.3 -> 19.4 ms transposed."""
     token_min_heads: int = 16
     """Group sizes from here on compute the selected forward and dQ per query (each gathered key block
     then feeds h >= 16 matrix rows); smaller groups go block-centric (measured: DESIGN shapes, H200)."""
