@@ -332,8 +332,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, taking CONFIG and key=value arguments after the flags too (argparse alone ends a
+    positional list at the first flag: `nsa bench train --steps 6 parallel.mode=ddp` was refused)."""
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or not hasattr(ns, "args")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        ns.args = [*ns.args, *extra]
+    return ns
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = parse_args(argv)
     try:
         return ns.func(ns)
     except UserError as e:
