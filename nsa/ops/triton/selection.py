@@ -45,7 +45,7 @@ def _merge_top(best, key):
 
 @triton.jit
 def _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_log2, block_len, block_stride,
-             DK: tl.constexpr, BLOCK_T: tl.constexpr, HP: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+             DK: tl.constexpr, BLOCK_T: tl.constexpr, HP: tl.constexpr, C: tl.constexpr,
              TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr):
     """[BLOCK_T, C]: p_cmp summed over the group's heads, for the compressed tokens starting in chunk c.
 
@@ -156,11 +156,11 @@ def _select_kernel(
     kbase = KC + b * skb + g * skg
     for c in range(0, n_whole):
         p_tok = _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_log2, block_len,
-                         block_stride, DK, BLOCK_T, HP, C, R, TRANS, EXACT, False)
+                         block_stride, DK, BLOCK_T, HP, C, TRANS, EXACT, False)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
     for c in range(n_whole, n_chunks):
         p_tok = _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_log2, block_len,
-                         block_stride, DK, BLOCK_T, HP, C, R, TRANS, EXACT, True)
+                         block_stride, DK, BLOCK_T, HP, C, TRANS, EXACT, True)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
 
     # `best` is sorted by key, descending: keep the first n_sel, then order them by block index.
