@@ -1,6 +1,6 @@
 """`nsa bench attention --graphs`: every timed call (NSA, dense, fla; forward and forward+backward) is timed as a
 CUDA-graph replay, and a call that cannot be captured gives no time (and no ratio) instead of an eager one. The
-capture and the timing need a GPU; here they are replaced by recorders."""
+capture and the timing need a GPU; here they are replaced by recorders. Also the profile's GPU busy time."""
 
 import pytest
 
@@ -44,3 +44,20 @@ def test_without_graphs_nothing_is_captured(recorded):
     assert recorded["graphed"] == []
     assert recorded["timed"] == ["nsa", "dense", "fla", "nsa+bwd", "dense+bwd", "fla+bwd"]
     assert row["speedup_fwdbwd"] == 2.0
+
+
+def test_gpu_busy_time_is_the_union_of_kernels_and_counts_only_long_gaps():
+    """`nsa bench train --profile` reports how much of a step some kernel runs: overlapping kernels count once,
+    CPU events not at all, and idle gaps over 0.1 ms are summed apart."""
+    from types import SimpleNamespace as Event
+
+    import torch
+
+    from nsa.bench.common import gpu_busy_ms
+
+    gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    spans = [(400, 500), (0, 100), (50, 150), (520, 600), (560, 580)]  # microseconds, out of order
+    events = [Event(device_type=gpu, time_range=Event(start=a, end=b)) for a, b in spans]
+    events.append(Event(device_type=cpu, time_range=Event(start=0, end=10_000)))
+    busy, gaps = gpu_busy_ms(events)
+    assert busy == pytest.approx(0.33) and gaps == pytest.approx(0.25)

@@ -130,6 +130,33 @@ def test_prefetch_serves_batches_in_order_with_the_state_of_the_last_one_handed_
     pre.close()
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_prefetch_hands_out_contiguous_copies_and_pins_only_for_a_gpu(depth):
+    """The synthetic stream returns strided views (x = rows[:, :-1]); copying those to a GPU cost the training
+    thread a CPU copy each step. The prefetcher makes them contiguous off that thread."""
+    reference = SyntheticBatches(50, 8, 2, seed=5)
+    pre = Prefetcher(SyntheticBatches(50, 8, 2, seed=5), depth=depth, first_batch_timeout_s=10, source="synthetic")
+    assert not reference.next_batch()[0].is_contiguous()
+    pre.pin_for(torch.device("cpu"))
+    x, y = pre.next_batch()
+    want_x, want_y = SyntheticBatches(50, 8, 2, seed=5).next_batch()
+    assert x.is_contiguous() and y.is_contiguous() and not x.is_pinned()
+    assert torch.equal(x, want_x) and torch.equal(y, want_y)
+    with pytest.raises(RuntimeError, match="before the first batch"):
+        pre.pin_for(torch.device("cpu"))
+    pre.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_prefetch_pins_batches_for_a_gpu_so_the_copy_is_queued():
+    pre = Prefetcher(SyntheticBatches(50, 8, 2, seed=5), depth=2, first_batch_timeout_s=10, source="synthetic")
+    pre.pin_for(torch.device("cuda", torch.cuda.current_device()))
+    x, y = pre.next_batch()
+    assert x.is_pinned() and y.is_pinned() and x.is_contiguous()
+    assert torch.equal(x.cuda(non_blocking=True).cpu(), SyntheticBatches(50, 8, 2, seed=5).next_batch()[0])
+    pre.close()
+
+
 def test_close_waits_for_the_batch_in_hand_so_the_process_exits_cleanly():
     # A producer thread left inside torch at interpreter exit aborted 1 in 4 finished runs (exit 134).
     class Slow(SyntheticBatches):

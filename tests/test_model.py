@@ -52,6 +52,27 @@ def test_forward_backward_reaches_every_parameter(attention):
     assert logits.shape == (2, 80, 96)
 
 
+def test_the_compiled_loss_matches_the_logits_cross_entropy_and_its_gradients():
+    """The trainer compiles NextTokenLoss (parallel.compile); it must give what eager float32 logits give,
+    ignored targets (-1) included, for the hidden states and the tied weight."""
+    torch.manual_seed(0)
+    model = Transformer(small(attention="dense"))
+    tokens = torch.randint(0, 96, (2, 33))
+    targets = tokens[:, 1:].clone()
+    targets[0, :5] = -1
+    h = model.hidden(tokens[:, :-1]).detach().requires_grad_(True)
+    w = model.lm_head.weight.detach().clone().requires_grad_(True)
+    want = torch.nn.functional.cross_entropy((h @ w.t()).flatten(0, 1), targets.flatten(), ignore_index=-1)
+    want_grads = torch.autograd.grad(want, (h, w))
+    model.loss.compile()
+    got = model.loss(h, w, targets)
+    got_grads = torch.autograd.grad(got, (h, w))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, e in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    assert model(tokens[:, :-1], targets).item() == pytest.approx(want.item(), rel=1e-5)
+
+
 def test_shared_kv_uses_one_projection_for_all_branches():
     sep = Transformer(small())
     shared = Transformer(small(nsa=dataclasses.replace(small().nsa, shared_kv=True)))

@@ -65,19 +65,25 @@ def _health_probe_ms(trainer: Trainer, reps: int = 5) -> float | None:
 PROGRESS_COLUMNS = ["attention", "seq_len", "batch_per_rank", "ranks", "tokens_per_s", "peak_mem_gb", "step_ms"]
 
 
+def bench_config(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int,
+                 steps: int):
+    """The training config of one benchmark row: synthetic tokens, no evaluation or sampling, nothing resumed."""
+    batch = max(1, batch_tokens // seq_len)
+    # One folder name for every rank: the ranks check that they were given the same config.
+    out = Path(tempfile.gettempdir()) / "nsa-bench-train"
+    return load_config(config, [
+        *overrides, f"model.attention={attention}", f"train.seq_len={seq_len}", f"train.batch_size={batch}",
+        "data.source=synthetic", "data.tokenizer=byte", "data.val_fraction=0", "train.progress=false",
+        "train.sample_tokens=0", f"train.out_dir={out}", f"train.run_name={attention}-{seq_len}", "checkpoint.resume=none",
+        f"train.steps={steps}",
+    ])
+
+
 def measure(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int, steps: int,
             warmup: int, info: DistInfo, profile_dir: str | None = None) -> dict:
     batch = max(1, batch_tokens // seq_len)
     torch._dynamo.reset()  # each shape compiles static, as in a real run, not as a dynamic-shape recompile
-    # One folder name for every rank: the ranks check that they were given the same config.
-    out = Path(tempfile.gettempdir()) / "nsa-bench-train"
-    cfg = load_config(config, [
-        *overrides, f"model.attention={attention}", f"train.seq_len={seq_len}", f"train.batch_size={batch}",
-        "data.source=synthetic", "data.tokenizer=byte", "data.val_fraction=0", "train.progress=false",
-        "train.sample_tokens=0", f"train.out_dir={out}", f"train.run_name={attention}-{seq_len}", "checkpoint.resume=none",
-        f"train.steps={warmup + steps + 1}",
-    ])
-    trainer = Trainer(cfg, info)
+    trainer = Trainer(bench_config(config, overrides, attention, seq_len, batch_tokens, warmup + steps + 1), info)
     for _ in range(warmup):
         trainer.train_step()
     torch.cuda.synchronize()

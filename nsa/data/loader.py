@@ -247,11 +247,29 @@ class Prefetcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._delivered = 0
+        self._pin_device: torch.device | None = None
+
+    def pin_for(self, device: torch.device) -> None:
+        """Hand out contiguous batches in pinned memory (made on the producer thread) when `device` is a GPU.
+
+        A batch in pageable memory costs the training thread a CPU copy and a wait for the GPU on every step
+        (11 ms of an M7C step at 2k x 32 on an H100, with the GPU idle); from pinned memory the copy is queued.
+        """
+        if self._delivered or self._thread is not None:
+            raise RuntimeError("choose pinning before the first batch")
+        self._pin_device = device if device.type == "cuda" else None
+
+    def _prepare(self, batch: Batch) -> Batch:
+        if self._pin_device is None:
+            return tuple(t.contiguous() for t in batch)
+        return tuple(t.contiguous().pin_memory() for t in batch)
 
     def _produce(self) -> None:
         try:
+            if self._pin_device is not None:  # pinned memory belongs to the current device's context
+                torch.cuda.set_device(self._pin_device)
             while not self._stop.is_set():
-                item = (self.stream.next_batch(), self.stream.state_dict())
+                item = (self._prepare(self.stream.next_batch()), self.stream.state_dict())
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -263,8 +281,9 @@ class Prefetcher:
 
     def next_batch(self) -> Batch:
         if self.depth <= 0:  # no thread: produce inline
-            batch = self.stream.next_batch()
+            batch = self._prepare(self.stream.next_batch())
             self._state = self.stream.state_dict()
+            self._delivered += 1
             return batch
         if self._thread is None:
             self._thread = threading.Thread(target=self._produce, name="nsa-data", daemon=True)

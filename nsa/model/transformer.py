@@ -25,6 +25,18 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(gate) * up)
 
 
+class NextTokenLoss(nn.Module):
+    """Mean cross-entropy of the output head's logits against targets (-1 ignored), in float32.
+
+    A module of its own, with no parameters, so that the trainer can compile it like a block: compiled, the
+    float32 logits are never written out (eager, they cost a third of an M7C step at 2k x 32 on an H100).
+    """
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, weight)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -52,6 +64,7 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
+        self.loss = NextTokenLoss()
         self.init_weights()
 
     @torch.no_grad()
@@ -89,7 +102,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B,T,V] for tokens [B,T]; with targets, the mean cross-entropy (targets -1 ignored)."""
-        logits = self.lm_head(self.hidden(tokens))
+        h = self.hidden(tokens)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+            return self.lm_head(h)
+        # The weight goes in as an argument: under FSDP2 it is the gathered parameter only during forward.
+        return self.loss(h, self.lm_head.weight, targets)

@@ -67,7 +67,7 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward (non-reentrant): less memory, about a third more compute."""
     compile: bool = False
-    """torch.compile each block."""
+    """torch.compile each block and the loss (whose float32 logits are then never written out)."""
     allow_single_process: bool = False
     """Allow one process on a machine with several visible GPUs (otherwise an error naming the torchrun command)."""
     timeout_s: float = 600.0

@@ -118,6 +118,7 @@ class Trainer:
         check_same_config(to_dict(cfg), info)
         self.data: Data = _agreed(info, lambda: build_data(
             cfg.data, self.tokenizer, t.seq_len, t.batch_size, t.eval_batches, t.seed, info.rank, info.world_size))
+        self.data.train.pin_for(info.device)
         model = Transformer(cfg.model).to(info.device)
         self.n_params = model.num_parameters()
         self.model = apply_parallelism(model, cfg.parallel, info, self.mode, self.bf16)

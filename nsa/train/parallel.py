@@ -31,7 +31,8 @@ def resolve_mode(cfg: ParallelConfig, info: DistInfo) -> str:
 
 
 def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mode: str, bf16: bool) -> nn.Module:
-    """Wrap blocks for recomputation and compilation, then replicate (DDP) or shard (FSDP2) the model."""
+    """Wrap blocks for recomputation and compilation (the loss is compiled too), then replicate (DDP) or shard
+    (FSDP2) the model."""
     layers = model.layers
     for i, block in enumerate(layers):
         if cfg.activation_checkpointing:
@@ -39,6 +40,8 @@ def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mod
         if cfg.compile:
             block.compile(options=INDUCTOR_OPTIONS)
         layers[i] = block
+    if cfg.compile:
+        model.loss.compile(options=INDUCTOR_OPTIONS)
     if mode == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
