@@ -200,3 +200,31 @@ def test_probe_under_ddp_and_fsdp2_on_one_rank(mode, model_and_tokens):
         dist.destroy_process_group()
     for key in want:
         assert torch.allclose(got[key], want[key], rtol=1e-6, atol=0), key
+
+
+def test_the_compiled_loss_under_fsdp2_gives_the_plain_models_loss_and_gradients(model_and_tokens):
+    """apply_parallelism compiles the loss, which takes the tied output weight as an argument: under FSDP2 that is
+    the gathered parameter during forward, and its gradient must still reach the (sharded) embedding."""
+    import torch.distributed as dist
+
+    from nsa.train.config import ParallelConfig
+    from nsa.train.distributed import DistInfo
+    from nsa.train.parallel import apply_parallelism
+
+    model, tokens = model_and_tokens
+    plain = copy.deepcopy(model)
+    want = plain(tokens[:, :-1], tokens[:, 1:])
+    want.backward()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+        wrapped = apply_parallelism(copy.deepcopy(model), ParallelConfig(mode="fsdp", compile=True), info, "fsdp",
+                                    bf16=False)
+        got = wrapped(tokens[:, :-1], tokens[:, 1:])
+        got.backward()
+        grad = wrapped.tok_emb.weight.grad.full_tensor()
+    finally:
+        dist.destroy_process_group()
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    torch.testing.assert_close(grad, plain.tok_emb.weight.grad, rtol=1e-4, atol=1e-6)
+
