@@ -61,6 +61,13 @@ def test_chosen_bits_mark_exactly_the_chosen_blocks():
     assert bits.tolist() == [[[1 | 1 << 5, as_int64]]]
     with pytest.raises(ValueError, match="at most 64"):
         chosen_bits(idx, 65)
+    # Many rows (not a multiple of the kernel's row block), distinct blocks per row, unused slots -1.
+    g = torch.Generator().manual_seed(0)
+    idx = torch.stack([torch.randperm(64, generator=g)[:5] for _ in range(2 * 19 * 3)]).view(2, 19, 3, 5)
+    idx[torch.rand(idx.shape, generator=g) < 0.3] = -1
+    want = [[[sum(1 << b for b in row if b >= 0) for row in grp] for grp in seq] for seq in idx.tolist()]
+    want = torch.tensor([[[w - (1 << 64) if w >= 1 << 63 else w for w in grp] for grp in seq] for seq in want])
+    assert torch.equal(chosen_bits(idx, 64), want)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[1]}-h{c[2] // c[3]}" for c in CASES])

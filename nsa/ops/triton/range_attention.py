@@ -374,13 +374,30 @@ def _blocks(q: torch.Tensor, dk: int, dv: int, kernel: str = "fwd") -> dict:
                 num_warps=TUNING.range_warps, num_stages=TUNING.range_stages)
 
 
+@triton.jit
+def _chosen_bits_kernel(IDX, BITS, rows, n, NP: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    j = tl.arange(0, NP)
+    ok = (r[:, None] < rows) & (j[None, :] < n)
+    idx = tl.load(IDX + r[:, None] * n + j[None, :], mask=ok, other=-1)
+    one = tl.full(idx.shape, 1, tl.int64)
+    # Distinct blocks per query, so the sum is the bitwise or.
+    tl.store(BITS + r, tl.sum(tl.where(idx >= 0, one << tl.maximum(idx, 0), 0), axis=1), mask=r < rows)
+
+
 def chosen_bits(indices: torch.Tensor, num_sel_blocks: int) -> torch.Tensor:
-    """[B,T,G] int64 with bit j set where the query chose block j: MODE_SEL's form of the selection."""
+    """[B,T,G] int64 with bit j set where the query chose block j: MODE_SEL's form of the selection.
+
+    One kernel: as five eager ops (compare, clamp, shift, select, sum) it took ~1.3 ms of an M7C training step at
+    2k x 32 on an H100, forward and backward."""
     if num_sel_blocks > 64:
         raise ValueError(f"the tiled selected branch holds at most 64 selection blocks, got {num_sel_blocks}")
-    one = torch.ones((), dtype=torch.int64, device=indices.device)
-    # Distinct blocks per query, so the sum is the bitwise or.
-    return torch.where(indices >= 0, one << indices.clamp_min(0), 0).sum(-1)
+    flat = indices.reshape(-1, indices.shape[-1]).contiguous()
+    bits = torch.empty(indices.shape[:-1], dtype=torch.int64, device=indices.device)
+    block = 256 if indices.is_cuda else 16
+    _chosen_bits_kernel[(triton.cdiv(flat.shape[0], block),)](
+        flat, bits, flat.shape[0], flat.shape[1], NP=max(2, triton.next_power_of_2(flat.shape[1])), BLOCK=block)
+    return bits
 
 
 def _selection_args(bits: torch.Tensor | None, q: torch.Tensor, sel_block: int) -> tuple[torch.Tensor, tuple, int]:
