@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from nsa.bench.common import busy_and_gaps
 from nsa.bench.training import bench_config
 from nsa.train.distributed import init_distributed
 from nsa.train.loop import Trainer
@@ -68,17 +69,7 @@ def host_stack(kernel: dict) -> str:
 
 if not kernels:
     raise SystemExit("the profiled step launched no GPU kernels (this needs a CUDA GPU)")
-busy, end, gaps = 0.0, None, []
-for i, k in enumerate(kernels):
-    a, b = k["ts"], k["ts"] + k["dur"]
-    if end is not None and a > end:
-        gaps.append((a - end, i))
-    if end is None or a > end:
-        busy += b - a
-        end = b
-    elif b > end:
-        busy += b - end
-        end = b
+busy, gaps = busy_and_gaps([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
 first = kernels[0]["ts"]
 print(f"{ns.attention} seq {ns.seq_len}: wall {statistics.median(walls):.1f} ms a step (median of {ns.steps}, "
       f"no profiler); kernels' union {busy / 1e3:.1f} ms; {len(kernels)} kernels; "

@@ -82,17 +82,24 @@ def gpu_busy_ms(events) -> tuple[float, float]:
     an unprofiled call's wall time, the first says how much of a step the GPU waits for the host."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy = gaps = 0.0
-    end = None
-    for a, b in spans:
+    busy, gaps = busy_and_gaps(spans)
+    return busy / 1e3, sum(g for g, _ in gaps if g > 100) / 1e3
+
+
+def busy_and_gaps(spans: list[tuple[float, float]]) -> tuple[float, list[tuple[float, int]]]:
+    """For (start, end) spans sorted by start: the length of their union, and each idle gap as (length, index of
+    the span that ends it)."""
+    busy, end, gaps = 0.0, None, []
+    for i, (a, b) in enumerate(spans):
+        if end is not None and a > end:
+            gaps.append((a - end, i))
         if end is None or a > end:
-            gaps += a - end if end is not None and a - end > 100 else 0.0
             busy += b - a
             end = b
         elif b > end:
             busy += b - end
             end = b
-    return busy / 1e3, gaps / 1e3
+    return busy, gaps
 
 
 def environment() -> dict:
