@@ -12,7 +12,7 @@ def recorded(monkeypatch):
     calls = {"graphed": [], "timed": []}
     monkeypatch.setattr(bench, "make_inputs", lambda *args, **kwargs: ["ins"])
     monkeypatch.setattr(bench, "_nsa", lambda ins: "nsa")
-    monkeypatch.setattr(bench, "_dense", lambda ins: ("dense", []))
+    monkeypatch.setattr(bench, "_dense", lambda ins, backend="flash": ({"flash": "dense", "cudnn": "cudnn"}[backend], []))
     monkeypatch.setattr(bench, "_fla", lambda ins: ("fla", []))
     monkeypatch.setattr(bench, "_fwd_bwd", lambda forward, tensors: forward + "+bwd")
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
@@ -23,7 +23,7 @@ def recorded(monkeypatch):
 
     def timed(fn, queued=False):
         calls["timed"].append(fn)
-        return {"nsa": 1.0, "dense": 2.0, "fla": 3.0}[(fn[1] if isinstance(fn, tuple) else fn).split("+")[0]]
+        return {"nsa": 1.0, "dense": 2.0, "cudnn": 1.5, "fla": 3.0}[(fn[1] if isinstance(fn, tuple) else fn).split("+")[0]]
 
     monkeypatch.setattr(bench, "_graphed", graphed)
     monkeypatch.setattr(bench, "_timed", timed)
@@ -32,18 +32,18 @@ def recorded(monkeypatch):
 
 def test_graphs_time_replays_of_every_call(recorded):
     row = bench.compare("paper", 2048, backward=True, use_fla=True, graphs=True)
-    fns = ["nsa", "dense", "fla", "nsa+bwd", "dense+bwd", "fla+bwd"]
+    fns = ["nsa", "dense", "cudnn", "fla", "nsa+bwd", "dense+bwd", "cudnn+bwd", "fla+bwd"]
     assert recorded["graphed"] == fns
     assert recorded["timed"] == [("replay", f) for f in fns if f != "fla+bwd"]
-    assert row["speedup_fwd"] == 2.0 and row["vs_fla_fwd"] == 3.0
+    assert row["speedup_fwd"] == 2.0 and row["vs_cudnn_fwd"] == 1.5 and row["vs_fla_fwd"] == 3.0
     assert row["fla_fwdbwd_ms"] is None and row["vs_fla_fwdbwd"] is None  # not captured: no eager stand-in
 
 
 def test_without_graphs_nothing_is_captured(recorded):
     row = bench.compare("paper", 2048, backward=True, use_fla=True)
     assert recorded["graphed"] == []
-    assert recorded["timed"] == ["nsa", "dense", "fla", "nsa+bwd", "dense+bwd", "fla+bwd"]
-    assert row["speedup_fwdbwd"] == 2.0
+    assert recorded["timed"] == ["nsa", "dense", "cudnn", "fla", "nsa+bwd", "dense+bwd", "cudnn+bwd", "fla+bwd"]
+    assert row["speedup_fwdbwd"] == 2.0 and row["vs_cudnn_fwdbwd"] == 1.5
 
 
 def test_gpu_busy_time_is_the_union_of_kernels_and_counts_only_long_gaps():
