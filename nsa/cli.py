@@ -165,6 +165,13 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_plot(ns: argparse.Namespace) -> int:
+    from .bench.plot import plot_file
+
+    print(f"wrote {plot_file(ns.results, ns.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nsa", description="Native Sparse Attention language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -267,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", action="store_true", help="list every key with its value and description")
     p.set_defaults(func=_cmd_config)
 
-    bench = sub.add_parser("bench", help="benchmarks (GPU): attention").add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks (GPU): attention, train, decode; plot").add_subparsers(dest="bench", required=True)
     p = bench.add_parser(
         "attention",
         help="NSA kernels vs dense SDPA (flash) and fla parallel_nsa, forward and forward+backward",
@@ -329,6 +336,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write each step's kernels by time to OUT/profile_decode_<attention>_<context>_b<batch>.txt "
                         "and count the kernels a step launches (kernels_per_step)")
     p.set_defaults(func=_cmd_bench_decode)
+
+    p = bench.add_parser(
+        "plot", help="redraw the picture of saved results (no GPU): speed-ups or tokens/s against length",
+        description="Draws the PNG that nsa bench attention, decode and train write beside their CSV/JSON, from a "
+                    "saved JSON (e.g. one under benchmarks/history/).",
+    )
+    p.add_argument("results", help="a JSON file written by nsa bench attention, decode or train")
+    p.add_argument("--out", default=None, help="the PNG to write (default: RESULTS with .png)")
+    p.set_defaults(func=_cmd_bench_plot)
     return parser
 
 
