@@ -96,40 +96,56 @@ def _tokens(n: float) -> str:
     return f"{n / 1024:g}k" if n >= 1024 else f"{n:g}"
 
 
+def _lines(ax, series: Series) -> None:
+    """One line per label; one colour per subject (the part before " vs "), one line style per reference, so
+    attention's legend reads as a grid."""
+    subjects = list(dict.fromkeys(label.split(" vs ")[0] for label in series))
+    for label, points in series.items():
+        xs, ys = zip(*points)
+        subject, _, reference = label.partition(" vs ")
+        ax.plot(xs, ys, marker="o", label=label, color=f"C{subjects.index(subject)}",
+                linestyle=REFERENCE_STYLES.get(reference, "-"))
+
+
+def _ratio_axis(ax, series: Series, label: str) -> None:
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ys = [y for points in series.values() for _, y in points] + [1.0]  # break-even always in view
+    if max(ys) / min(ys) > 4:  # a log scale only where the ratios span more than a factor of 4
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(min(ys) / 1.15, max(ys) * 1.15)
+    ax.axhline(1.0, color="grey", linewidth=1, linestyle="-.", label="break-even")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.set_ylabel(label)
+
+
+def _length_axis(ax, label: str) -> None:
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tokens(v)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(label)
+
+
 def draw(panels: dict[str, Series], title: str, footer: str, xlabel: str, ratio_label: str | None, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), squeeze=False)
     for ax, (name, series) in zip(axes[0], panels.items()):
-        ratio = name not in ABSOLUTE_PANELS
-        subjects = list(dict.fromkeys(label.split(" vs ")[0] for label in series))
-        for label, points in series.items():
-            xs, ys = zip(*points)
-            subject, _, reference = label.partition(" vs ")
-            # One colour per shape, one line style per reference: attention's legend reads as a grid.
-            style = dict(color=f"C{subjects.index(subject)}", linestyle=REFERENCE_STYLES.get(reference, "-"))
-            ax.plot(xs, ys, marker="o", label=label, **style)
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tokens(v)))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel(xlabel)
-        if ratio:
-            ys = [y for points in series.values() for _, y in points] + [1.0]  # break-even always in view
-            if max(ys) / min(ys) > 4:  # a log scale only where the ratios span more than a factor of 4
-                ax.set_yscale("log")
-                ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
-                ax.yaxis.set_minor_formatter(NullFormatter())
-            ax.set_ylim(min(ys) / 1.15, max(ys) * 1.15)
-            ax.axhline(1.0, color="grey", linewidth=1, linestyle="-.", label="break-even")
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-            ax.set_ylabel(ratio_label or name)
-        else:
+        _lines(ax, series)
+        _length_axis(ax, xlabel)
+        if name in ABSOLUTE_PANELS:
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:g}k" if v >= 1000 else f"{v:g}"))
             ax.set_ylabel(name)
+        else:
+            _ratio_axis(ax, series, ratio_label or name)
         ax.set_title(name)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
