@@ -274,13 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", action="store_true", help="list every key with its value and description")
     p.set_defaults(func=_cmd_config)
 
-    bench = sub.add_parser("bench", help="benchmarks (GPU): attention, train, decode; plot").add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks (GPU): attention, train, decode; plot")
+    bench = bench.add_subparsers(dest="bench", required=True)
     p = bench.add_parser(
         "attention",
         help="NSA kernels vs dense SDPA (flash and cuDNN) and fla parallel_nsa, forward and forward+backward",
         description="Times NSA (all branches and gates) against dense causal attention of the same shape (SDPA's "
         "flash and cuDNN backends), and "
-        "against fla-core's parallel_nsa where it runs, in one run on one GPU; prints a table and writes CSV/JSON and a PNG.",
+        "against fla-core's parallel_nsa where it runs, in one run on one GPU; prints a table and writes CSV/JSON "
+        "and a PNG.",
     )
     p.add_argument("--shapes", default="m7c,paper", help="comma-separated: m7c (12/2/64), paper (64/4/128)")
     p.add_argument("--lengths", type=_int_list, default="2048,4096,8192,16384,32768,65536,131072",

@@ -12,7 +12,8 @@ def recorded(monkeypatch):
     calls = {"graphed": [], "timed": []}
     monkeypatch.setattr(bench, "make_inputs", lambda *args, **kwargs: ["ins"])
     monkeypatch.setattr(bench, "_nsa", lambda ins: "nsa")
-    monkeypatch.setattr(bench, "_dense", lambda ins, backend="flash": ({"flash": "dense", "cudnn": "cudnn"}[backend], []))
+    names = {"flash": "dense", "cudnn": "cudnn"}
+    monkeypatch.setattr(bench, "_dense", lambda ins, backend="flash": (names[backend], []))
     monkeypatch.setattr(bench, "_fla", lambda ins: ("fla", []))
     monkeypatch.setattr(bench, "_fwd_bwd", lambda forward, tensors: forward + "+bwd")
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
@@ -23,7 +24,8 @@ def recorded(monkeypatch):
 
     def timed(fn, queued=False):
         calls["timed"].append(fn)
-        return {"nsa": 1.0, "dense": 2.0, "cudnn": 1.5, "fla": 3.0}[(fn[1] if isinstance(fn, tuple) else fn).split("+")[0]]
+        times = {"nsa": 1.0, "dense": 2.0, "cudnn": 1.5, "fla": 3.0}
+        return times[(fn[1] if isinstance(fn, tuple) else fn).split("+")[0]]
 
     monkeypatch.setattr(bench, "_graphed", graphed)
     monkeypatch.setattr(bench, "_timed", timed)

@@ -178,7 +178,8 @@ def plot_file(json_path: str | Path, out: str | Path | None = None) -> Path:
     try:
         data = json.loads(src.read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"{src} is not valid JSON ({e.msg} at line {e.lineno}); pass a JSON written by nsa bench") from None
+        raise UserError(f"{src} is not valid JSON ({e.msg} at line {e.lineno}); "
+                        "pass a JSON written by nsa bench") from None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise UserError(f"{src} holds no benchmark rows; pass a JSON written by nsa bench attention, decode or train")
     return plot_rows(data["rows"], data.get("environment", {}), out or src.with_suffix(".png"))
