@@ -83,3 +83,12 @@ def test_files_that_are_not_results_fail_in_one_line(tmp_path, capsys):
     empty.write_text(json.dumps({"rows": [{"shape": "m7c", "T": 2048, "nsa_fwd_ms": None}]}))
     with pytest.raises(UserError, match="nothing to plot"):
         plot.plot_file(empty)
+
+
+def test_a_bench_without_numbers_writes_its_results_and_no_picture(tmp_path):
+    """The benches call picture(): a run whose every call failed (or that ran one model only) keeps its CSV/JSON
+    and simply has no PNG, instead of ending in an error after the measurements."""
+    assert plot.picture([{"attention": "nsa", "context": 4096, "batch": 1, "step_ms": 1.0}], {}, tmp_path / "d.png") == ()
+    assert not (tmp_path / "d.png").exists()
+    assert plot.picture(TRAIN, {}, tmp_path / "t.png") == (tmp_path / "t.png",)
+    assert (tmp_path / "t.png").stat().st_size > 10_000

@@ -26,7 +26,7 @@ from ..inference.decode import prefill
 from ..inference.graphed import GraphedDecoder
 from ..model import Transformer
 from .common import environment, format_table, graphed, print_row, profile_to_file, write_results
-from .plot import plot_rows
+from .plot import picture
 
 
 PROFILE_STEPS = 5
@@ -137,8 +137,7 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
     columns = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup",
                "layer_attention_ms", "attention_speedup", "reads_per_group", "kernels_per_step"]
     print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
-    if any(r["attention"] == "nsa" and r.get("speedup") for r in rows):  # a ratio needs both models
-        paths += (plot_rows(rows, meta, Path(out_dir) / f"{name}.png"),)
+    paths += picture(rows, meta, Path(out_dir) / f"{name}.png")
     print("wrote " + ", ".join(map(str, paths)))
     return rows
 

@@ -170,6 +170,15 @@ def plot_rows(rows: list[dict], meta: dict, path: str | Path) -> Path:
     return draw(panels, f"nsa bench {kind}", footer, xlabel, ratio_label, Path(path))
 
 
+def picture(rows: list[dict], meta: dict, path: str | Path) -> tuple[Path, ...]:
+    """For the benches: (the PNG,) drawn from their rows, or () where no row has a number to draw (a run whose
+    every call ran out of memory, or whose other model was not run): a bench's results never fail on their picture."""
+    try:
+        return (plot_rows(rows, meta, path),)
+    except UserError:
+        return ()
+
+
 def plot_file(json_path: str | Path, out: str | Path | None = None) -> Path:
     """Redraw a saved result: `nsa bench plot FILE.json [--out PNG]` (default: FILE.png)."""
     src = Path(json_path)

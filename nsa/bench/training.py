@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
 from ..train.loop import Trainer
 from .common import environment, format_table, print_row, profile_to_file, write_results
-from .plot import plot_rows
+from .plot import picture
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 datasheet peaks used for MFU (override with --peak-tflops)."""
@@ -159,7 +159,7 @@ def run(config: str | None, overrides: list[str], seq_lens: list[int], attention
             print(f"\n{meta['device']}  torch {meta['torch']}  ranks {info.world_size}")
             print(format_table(rows, ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "tokens_per_s",
                                       "vs_dense", "mfu", "peak_mem_gb", "step_ms", "health_ms", "health_cost"]))
-            paths += (plot_rows(rows, meta, Path(out_dir) / f"{name}.png"),)
+            paths += picture(rows, meta, Path(out_dir) / f"{name}.png")
             print("wrote " + ", ".join(map(str, paths)))
         finished = True
         return rows
