@@ -13,7 +13,8 @@ def recorded(monkeypatch):
     monkeypatch.setattr(bench, "make_inputs", lambda *args, **kwargs: ["ins"])
     monkeypatch.setattr(bench, "_nsa", lambda ins: "nsa")
     names = {"flash": "dense", "cudnn": "cudnn"}
-    monkeypatch.setattr(bench, "_dense", lambda ins, backend="flash": (names[backend], []))
+    monkeypatch.setattr(bench, "_dense_inputs", lambda ins: [])
+    monkeypatch.setattr(bench, "_dense", lambda tensors, backend="flash": (names[backend], tensors))
     monkeypatch.setattr(bench, "_fla", lambda ins: ("fla", []))
     monkeypatch.setattr(bench, "_fwd_bwd", lambda forward, tensors: forward + "+bwd")
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)

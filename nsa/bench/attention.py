@@ -64,21 +64,26 @@ DENSE_BACKENDS = ("flash", "cudnn")
 PyTorch picks by default on Hopper and which a dense model's training step runs (1.5-1.8x faster than flash on an H100)."""
 
 
-def _dense(ins, backend: str = "flash"):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+def _dense_inputs(ins) -> list[torch.Tensor]:
+    """Dense attention's q, k, v [B,H,T,D] (k and v repeated over each group's heads), shared by every backend."""
     q, k, v = ins[0], ins[3], ins[4]
     h = q.shape[2] // k.shape[2]
     qd = q.detach().transpose(1, 2).contiguous().requires_grad_()
     kd = k.detach().repeat_interleave(h, 2).transpose(1, 2).contiguous().requires_grad_()
     vd = v.detach().repeat_interleave(h, 2).transpose(1, 2).contiguous().requires_grad_()
+    return [qd, kd, vd]
+
+
+def _dense(tensors: list[torch.Tensor], backend: str = "flash"):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
 
     def fwd():
         with sdpa_kernel([chosen]):
-            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+            return F.scaled_dot_product_attention(*tensors, is_causal=True)
 
-    return fwd, [qd, kd, vd]
+    return fwd, tensors
 
 
 def _fla(ins):
@@ -141,7 +146,8 @@ def compare(shape: str, T: int, backward: bool, use_fla: bool, batch: int = 1, g
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return row
-    dense, cudnn = (_dense(ins, backend) for backend in DENSE_BACKENDS)
+    dense_tensors = _dense_inputs(ins)
+    dense, cudnn = (_dense(dense_tensors, backend) for backend in DENSE_BACKENDS)
     fla = _fla(ins) if use_fla else None
     with torch.no_grad():
         row["nsa_fwd_ms"] = _time_as(_nsa(ins), graphs)
@@ -158,7 +164,7 @@ def compare(shape: str, T: int, backward: bool, use_fla: bool, batch: int = 1, g
         row[f"speedup_{kind}"] = dense_ms / nsa if nsa and dense_ms else None
         row[f"vs_cudnn_{kind}"] = cudnn_ms / nsa if nsa and cudnn_ms else None
         row[f"vs_fla_{kind}"] = fla_ms / nsa if nsa and fla_ms else None
-    del ins, dense, cudnn, fla
+    del ins, dense_tensors, dense, cudnn, fla
     torch.cuda.empty_cache()
     return row
 
