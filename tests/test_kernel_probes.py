@@ -1,0 +1,45 @@
+"""benchmarks/kernel_pipes.py reads Nsight Compute's raw CSV into its table; benchmarks/gluon_probe.py's Hopper
+kernel (TMA loads, async wgmma) still builds for sm_90 with the pinned Triton (compiled here, without a GPU)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))  # gluon_probe's --offline imports offline_compile beside it
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ncu_rows_skip_the_units_line_and_stalls_read_as_percent(tmp_path):
+    pipes = _load("kernel_pipes")
+    tensor = pipes.METRICS["tensor %"]
+    stall = pipes.METRICS["st wait"]
+    csv_text = "\n".join([
+        "==PROF== Connected to process 1",
+        f'"ID","Kernel Name","{tensor}","{stall}.pct","{stall}.ratio"',
+        '"","","%","%",""',
+        '"0","_range_fwd_kernel","28.51","1,320,000","3.5"',
+        '"1","cudnn_sdpa_fprop","45.50","6,470,000","2.0"',
+    ])
+    path = tmp_path / "ncu.csv"
+    path.write_text(csv_text + "\n# stderr\n")
+    rows = pipes.read_rows(path)
+    assert [r["Kernel Name"] for r in rows] == ["_range_fwd_kernel", "cudnn_sdpa_fprop"]
+    assert pipes.value(rows[0], tensor) == "28.5"
+    assert pipes.value(rows[1], stall) == "6.47e+06"  # thousands separators dropped, .pct used for a base name
+    assert pipes.value(rows[0], "not_a_metric") == ""
+
+
+def test_gluon_probe_builds_for_hopper_with_tma_and_async_wgmma():
+    probe = _load("gluon_probe")
+    compiled = probe.compile_for_sm90(64, 64, 3, 4, True)
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "wgmma.wait_group.sync.aligned 1" in ptx  # the P.V product left in flight under the next softmax
