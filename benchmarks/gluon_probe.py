@@ -145,20 +145,14 @@ def gluon_attention(q, k, v, block_m=128, block_n=64, stages=3, warps=8, overlap
 
 def compile_for_sm90(block_m: int, block_n: int, stages: int, warps: int, overlap: bool, D: int = 64):
     """The kernel compiled for an H100 without a GPU (Triton's own ptxas): check it builds, read its registers."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
+    from offline_compile import compile_gluon  # benchmarks/, beside this script
 
     rows = torch.empty(256, 12 * D, dtype=torch.bfloat16)
     layout = lambda n: gl.NVMMASharedLayout.get_default_for([n, D], gl.bfloat16)  # noqa: E731
     desc = lambda n: TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [n, D], layout(n))  # noqa: E731
-    types = {"q_desc": mangle_type(desc(block_m)), "k_desc": mangle_type(desc(block_n)),
-             "v_desc": mangle_type(desc(block_n)), "O": "*bf16", "qk_scale": "fp32"}
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages, OVERLAP=overlap, num_warps=warps)
-    names = _attn_fwd.arg_names
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    src = GluonASTSource(_attn_fwd, sig, {(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    descriptors = {"q_desc": desc(block_m), "k_desc": desc(block_n), "v_desc": desc(block_n)}
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, D=D, STAGES=stages, OVERLAP=overlap)
+    return compile_gluon(_attn_fwd, descriptors, consts, {"O": "*bf16", "qk_scale": "fp32"}, warps)
 
 
 def main() -> None:

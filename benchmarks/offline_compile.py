@@ -101,6 +101,20 @@ def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
+def compile_gluon(kernel, descriptors: dict, consts: dict, types: dict, warps: int):
+    """A Gluon kernel compiled for sm_90: `descriptors` maps argument names to host TensorDescriptors (their
+    types), `types` gives the other non-i32 arguments' types (e.g. "*bf16", "fp32")."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    names = kernel.arg_names
+    consts = dict(consts, num_warps=warps)
+    sig = {n: "constexpr" if n in consts else mangle_type(descriptors[n]) if n in descriptors else types.get(n, "i32")
+           for n in names}
+    src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items() if k in names})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
 def report(compiled) -> str:
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

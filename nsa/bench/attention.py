@@ -221,6 +221,8 @@ SWEEP = {
     "range_stages": [3],
     "range_block_m+range_block_n+range_warps": [(128, 128, 8), (64, 32, 4), (64, 64, 4), (64, 128, 4)],
     "range_block_m+range_stages": [(64, 3)],
+    "hopper_forward": [False],
+    "hopper_block_m+hopper_stages": [(64, 4), (64, 2), (128, 3)],
     "dq_block_m+dq_block_n+dq_warps": [(128, 64, 4), (64, 32, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8)],
     "dq_block_n_tiled": [64],
     "cmp_rows_per_split": [4096, 16384, 65536],

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
+from .hopper_forward import hopper_forward_supports, range_attention_fwd_hopper
 from .tuning import TUNING
 
 MODE_CMP = 0
@@ -423,6 +424,10 @@ def range_attention_fwd(q, k, v, mode: int, scale: float, block_len: int, block_
     o_cmp, o_win, gates = gated if gated is not None else (o, o, lse)
     out = torch.empty_like(o) if gated is not None else o
     gate_strides = gates.stride()[:3] if gated is not None else (0, 0, 0)
+    if hopper_forward_supports(q, k, v, mode, sel):
+        range_attention_fwd_hopper(q, k, v, o, lse, mode, scale, block_len, block_stride, window, idx,
+                                   idx_strides, sel, gated, out)
+        return (o, lse, out) if gated is not None else (o, lse)
     cfg = _blocks(q, Dk, Dv)
     grid = (triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)
     _range_fwd_kernel[grid](

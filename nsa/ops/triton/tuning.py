@@ -21,6 +21,14 @@ class Tuning:
     """Keys per inner step of those kernels (measured as above: 64 beats 32 by 1.4x at D=128, 1.1x at D=64)."""
     range_warps: int = 4
     range_stages: int = 2
+    hopper_forward: bool = True
+    """On an sm_90 GPU, run the compressed/window/tiled-selected forward as the Gluon kernel of hopper_forward.py
+    (TMA, asynchronous wgmma) where it applies; False keeps Triton's kernel (the one the CPU tests check)."""
+    hopper_block_m: int = 64
+    """Query tokens per program of that kernel at head dims up to 64 (one head per program)."""
+    hopper_stages: int = 3
+    """Key/value tiles in flight in its shared-memory ring (measured on H100, dense causal M7C forward: 3-4
+    stages of 64 x 64 at 348-398 TFLOP/s from 2k to 64k, against 281-380 for the Triton kernel)."""
     dq_block_m: int = 64
     """(token, head) rows per program of query_grad's dQ kernel (all branches), head dims up to 64
     (range_block_m_wide above). Measured on H100, M7C: 64 rows 0.72 / 2.49 ms at 2k x 16 / 64k, 128 rows 0.92 /

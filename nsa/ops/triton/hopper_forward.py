@@ -1,0 +1,241 @@
+"""range_attention's forward for Hopper GPUs, written in Gluon (Triton's explicitly scheduled dialect).
+
+Same contract as range_attention_fwd for the compressed, window and tiled selected branches (and the
+gated sum): on an H100 at head dim 64, Triton's own kernel keeps the tensor cores ~28% busy against
+cuDNN's ~45% (benchmarks/RESULTS.md, fifteenth session). Here the schedule is explicit:
+
+- one program per (tile of query tokens, head): queries, keys and values arrive by TMA, the keys and
+  values of the next tiles into a ring of shared-memory stages guarded by mbarriers;
+- S = Q K^T and O += P V run as asynchronous wgmma; tile i's S is issued before tile i-1's P V, and
+  that product is awaited only after tile i's softmax, so the tensor cores and the softmax overlap;
+- 125-190 registers instead of 255, so three programs share an SM.
+
+Gluon has no CPU interpreter: the Triton kernel stays the reference the CPU tests check, this one is
+checked against it and the reference on the GPU (tests/test_triton_gpu.py) and compiled for sm_90 in CI
+(tests/test_kernel_probes.py). `hopper_forward_supports` says when it applies; otherwise callers use
+the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .common import LOG2E
+from .tuning import TUNING
+
+_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _key_range(t, row_ok, MODE: gl.constexpr, block_len, block_stride, window):
+    """First and last key each query token t sees (range_attention._key_range; rows past the end see none)."""
+    if MODE == 0:
+        lo = t * 0
+        hi = gl.where(t >= block_len - 1, gl.maximum(t - block_len + 1, 0) // block_stride, -1)
+    elif MODE == 1:
+        lo = gl.maximum(t - window + 1, 0)
+        hi = t
+    else:
+        lo = t * 0
+        hi = t
+    return lo, gl.where(row_ok, hi, -1)
+
+
+@gluon.jit
+def _tile_scores(s, start, lo, hi, bits, cols, scale_log2, m_i, l_i, sel_block, MASKED, MODE: gl.constexpr):
+    """One online-softmax step over raw scores s of the keys start + cols: (p, alpha, m, l); m in log2 units.
+    Keys outside a row's range (edge tiles only) and, for the selected branch, blocks the row did not choose
+    (one bit per row: a tile lies in one block) get p = 0; rows that saw nothing yet keep m = -inf."""
+    if MASKED:
+        key = start + cols
+        s = gl.where((key[None, :] >= lo[:, None]) & (key[None, :] <= hi[:, None]), s, float("-inf"))
+    row_max = gl.max(s, 1) * scale_log2
+    if MODE == 2:
+        pick = ((bits >> (start // sel_block)) & 1) != 0
+        row_max = gl.where(pick, row_max, float("-inf"))
+    m_new = gl.maximum(m_i, row_max)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if MODE == 2:
+        m_exp = gl.where(pick, m_safe, float("inf"))
+    else:
+        m_exp = m_safe
+    p = gl.exp2(s * scale_log2 - m_exp[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, bars, k_smem, v_smem, i, row0, col_k, col_v, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr):
+    stage = i % STAGES
+    mbarrier.expect(bars.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, col_k], bars.index(stage), k_smem.index(stage))
+    tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, col_v], bars.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _range_fwd_hopper(
+    q_desc, k_desc, v_desc, O, LSE, BITS, O_CMP, O_WIN, GATES, OUT,
+    sob, sot, soh, slb, slt, sbb, sbt, sbg, sgb, sgt, sgh,
+    T, NK, H, G, scale_log2, block_len, block_stride, window, sel_block,
+    MODE: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr,
+):
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b32 = pid_bh // H  # TMA coordinates are 32-bit; pointer offsets use b, 64-bit
+    b = b32.to(gl.int64)
+    head = pid_bh % H
+    g = head // (H // G)
+    q0 = pid_m * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    # The program's keys: from the first token's first key to the last token's last one.
+    t = q0 + gl.arange(0, BLOCK_M, layout=row_s)
+    row_ok = t < T
+    lo, hi = _key_range(t, row_ok, MODE, block_len, block_stride, window)
+    t_last = gl.minimum(q0 + BLOCK_M, T) - 1
+    k_start = (gl.min(gl.where(row_ok, lo, NK), 0) // BLOCK_N) * BLOCK_N
+    k_end = gl.max(hi, 0) + 1
+    # Key steps inside [a, e) are seen whole by every row: no range mask there.
+    a = gl.max(gl.where(row_ok, lo, 0), 0)
+    e = gl.min(gl.where(row_ok, hi, NK), 0) + 1
+    # At least one step, fully masked when the tile sees no key (rows that see none end with lse = -inf).
+    n_tiles = gl.maximum(gl.cdiv(k_end - k_start, BLOCK_N), 1)
+    bits = t.to(gl.int64) * 0
+    if MODE == 2:
+        bits = gl.load(BITS + b * sbb + t * sbt + g * sbg, mask=row_ok, other=0)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DK], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DK], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b32 * T + q0, head * DK], q_bar, q_smem)
+    row0 = b32 * NK + k_start
+    for i in gl.static_range(STAGES - 1):
+        if i < n_tiles:
+            _load_kv(k_desc, v_desc, bars, k_smem, v_smem, i, row0, g * DK, g * DV, BLOCK_N, STAGES)
+
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, DV], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    # Step 0, then each step issues its S before the previous step's P V and awaits that product only after
+    # its own softmax.
+    mbarrier.wait(bars.index(0), 0)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    p, alpha, m_i, l_i = _tile_scores(s, k_start, lo, hi, bits, cols, scale_log2, m_i, l_i, sel_block,
+                                      (k_start < a) | (k_start + BLOCK_N > e), MODE)
+    for i in range(1, n_tiles):
+        # Step i + STAGES - 2 goes into step i - 2's stage, free since its P V was awaited last step.
+        if i + STAGES - 2 < n_tiles:
+            _load_kv(k_desc, v_desc, bars, k_smem, v_smem, i + STAGES - 2, row0, g * DK, g * DV, BLOCK_N, STAGES)
+        stage = i % STAGES
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        pv = warpgroup_mma(p_op, v_smem.index((i - 1) % STAGES), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        start = k_start + i * BLOCK_N
+        p, alpha, m_i, l_i = _tile_scores(s, start, lo, hi, bits, cols, scale_log2, m_i, l_i, sel_block,
+                                          (start < a) | (start + BLOCK_N > e), MODE)
+        # p_op, the product's register operand, must live until the product is done.
+        acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index((n_tiles - 1) % STAGES), acc)
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    has_key = l_i > 0
+    l_safe = gl.where(has_key, l_i, 1.0)
+    lse = gl.where(has_key, (m_i + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    gl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    to = q0 + gl.arange(0, BLOCK_M, layout=row_o)
+    ok = to < T
+    dv = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
+    o_off = b * sob + to.to(gl.int64)[:, None] * sot + head * soh + dv[None, :]
+    out = out.to(dtype)
+    gl.store(O + o_off, out, mask=ok[:, None])
+    if GATED:
+        # The gated sum of the three branches (all [B,T,H,Dv] with O's strides), this one as stored.
+        gate = GATES + b * sgb + to.to(gl.int64) * sgt + head * sgh
+        total = gl.load(gate + 1, mask=ok, other=0.0).to(gl.float32)[:, None] * out.to(gl.float32)
+        total += (gl.load(gate, mask=ok, other=0.0).to(gl.float32)[:, None]
+                  * gl.load(O_CMP + o_off, mask=ok[:, None], other=0.0).to(gl.float32))
+        total += (gl.load(gate + 2, mask=ok, other=0.0).to(gl.float32)[:, None]
+                  * gl.load(O_WIN + o_off, mask=ok[:, None], other=0.0).to(gl.float32))
+        gl.store(OUT + o_off, total.to(dtype), mask=ok[:, None])
+
+
+def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
+    """Whether the Gluon kernel serves this call: an sm_90 GPU, bf16/fp16, head dims 64 or 128 with Dk == Dv,
+    TMA-friendly layouts ([B,T,H,D] rows in one stride), and for the selected branch whole blocks per key step."""
+    if not (TUNING.hopper_forward and q.is_cuda and q.dtype in _DTYPES and k.dtype == q.dtype == v.dtype):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    B, T, H, Dk = q.shape
+    NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    if Dk != Dv or Dk not in (64, 128) or NK == 0 or H % G:
+        return False
+    if mode == 2 and sel_block % _config(Dk)["BLOCK_N"]:
+        return False
+    rows_ok = all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and x.stride(1) == x.shape[2] * x.shape[3]
+                  and (B == 1 or x.stride(0) == x.shape[1] * x.stride(1)) and x.data_ptr() % 16 == 0
+                  for x in (q, k, v))
+    return rows_ok
+
+
+def _config(d: int) -> dict:
+    if d <= 64:
+        return dict(BLOCK_M=TUNING.hopper_block_m, BLOCK_N=64, STAGES=TUNING.hopper_stages, num_warps=4)
+    return dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)
+
+
+def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """x [B,N,heads,D] as TMA tiles of `rows` tokens x one head's D columns of its [B*N, heads*D] view."""
+    flat = x.view(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3])
+    layout = gl.NVMMASharedLayout.get_default_for([rows, x.shape[3]], _DTYPES[x.dtype])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[3]], layout)
+
+
+def range_attention_fwd_hopper(q, k, v, o, lse, mode: int, scale: float, block_len: int, block_stride: int,
+                               window: int, bits, bit_strides: tuple, sel_block: int, gated, out) -> None:
+    """range_attention_fwd's kernel on Hopper, writing o, lse (and out = the gated sum, with gated) in place."""
+    B, T, H, D = q.shape
+    NK, G = k.shape[1], k.shape[2]
+    cfg = _config(D)
+    o_cmp, o_win, gates = gated if gated is not None else (o, o, lse)
+    gate_strides = gates.stride()[:3] if gated is not None else (0, 0, 0)
+    grid = (-(-T // cfg["BLOCK_M"]), B * H)
+    _range_fwd_hopper[grid](
+        _descriptor(q, cfg["BLOCK_M"]), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
+        o, lse, bits, o_cmp, o_win, gates, out,
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), *bit_strides, *gate_strides,
+        T, NK, H, G, scale * LOG2E, block_len, block_stride, window, max(sel_block, 1),
+        MODE=mode, DK=D, DV=D, GATED=gated is not None, **cfg,
+    )
