@@ -173,22 +173,24 @@ def _range_fwd_hopper(
     l_safe = gl.where(has_key, l_i, 1.0)
     lse = gl.where(has_key, (m_i + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
     gl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
-    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    to = q0 + gl.arange(0, BLOCK_M, layout=row_o)
-    ok = to < T
-    dv = gl.arange(0, DV, layout=gl.SliceLayout(0, o_layout))
-    o_off = b * sob + to.to(gl.int64)[:, None] * sot + head * soh + dv[None, :]
-    out = out.to(dtype)
-    gl.store(O + o_off, out, mask=ok[:, None])
+    out = (acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
+    # The stores (and the gated sum's loads) in a row-major layout: 16-byte accesses, not the accumulator's.
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DV // 8), DV // 8], [num_warps, 1], [1, 0])
+    out = gl.convert_layout(out, io)
+    to = (q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io))).to(gl.int64)
+    ok = (to < T)[:, None]
+    dv = gl.arange(0, DV, layout=gl.SliceLayout(0, io))
+    o_off = b * sob + to[:, None] * sot + head * soh + dv[None, :]
+    gl.store(O + o_off, out, mask=ok)
     if GATED:
         # The gated sum of the three branches (all [B,T,H,Dv] with O's strides), this one as stored.
-        gate = GATES + b * sgb + to.to(gl.int64) * sgt + head * sgh
-        total = gl.load(gate + 1, mask=ok, other=0.0).to(gl.float32)[:, None] * out.to(gl.float32)
-        total += (gl.load(gate, mask=ok, other=0.0).to(gl.float32)[:, None]
-                  * gl.load(O_CMP + o_off, mask=ok[:, None], other=0.0).to(gl.float32))
-        total += (gl.load(gate + 2, mask=ok, other=0.0).to(gl.float32)[:, None]
-                  * gl.load(O_WIN + o_off, mask=ok[:, None], other=0.0).to(gl.float32))
-        gl.store(OUT + o_off, total.to(dtype), mask=ok[:, None])
+        gate = GATES + b * sgb + to[:, None] * sgt + head * sgh
+        total = gl.load(gate + 1, mask=ok, other=0.0).to(gl.float32) * out.to(gl.float32)
+        total += gl.load(gate, mask=ok, other=0.0).to(gl.float32) * gl.load(O_CMP + o_off, mask=ok, other=0.0).to(
+            gl.float32)
+        total += gl.load(gate + 2, mask=ok, other=0.0).to(gl.float32) * gl.load(O_WIN + o_off, mask=ok, other=0.0).to(
+            gl.float32)
+        gl.store(OUT + o_off, total.to(dtype), mask=ok)
 
 
 def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
