@@ -44,6 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="m7c:2048x16,m7c:65536x1,paper:2048x16,paper:65536x1")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--configs", default="64:4,64:2,128:3", help="rows:stages of the Gluon kernel also timed")
     ns = p.parse_args()
     rows = []
     for case in ns.cases.split(","):
@@ -57,10 +58,17 @@ def main() -> None:
                     times[gluon].append(time_cuda(fn, queued=True))
             TUNING.hopper_forward = True
             gl_ms, tr_ms = statistics.median(times[True]), statistics.median(times[False])
-            rows.append({"shape": shape, "T": T, "batch": batch, "branch": branch, "gluon_ms": gl_ms,
-                         "triton_ms": tr_ms, "triton/gluon": tr_ms / gl_ms})
+            row = {"shape": shape, "T": T, "batch": batch, "branch": branch, "gluon_ms": gl_ms,
+                   "triton_ms": tr_ms, "triton/gluon": tr_ms / gl_ms}
+            for config in filter(None, ns.configs.split(",")):  # other tiles and stage counts, Gluon only
+                block_m, stages = (int(x) for x in config.split(":"))
+                base = (TUNING.hopper_block_m, TUNING.hopper_stages)
+                TUNING.hopper_block_m, TUNING.hopper_stages = block_m, stages
+                row[f"gluon {config}"] = statistics.median(time_cuda(fn, queued=True) for _ in range(3))
+                TUNING.hopper_block_m, TUNING.hopper_stages = base
+            rows.append(row)
             print(rows[-1], flush=True)
-    print(format_table(rows, list(rows[0])))
+    print(format_table(rows, list(dict.fromkeys(k for r in rows for k in r))))
 
 
 if __name__ == "__main__":
