@@ -44,7 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="m7c:2048x16,m7c:65536x1,paper:2048x16,paper:65536x1")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--configs", default="64:4,64:2,128:3", help="rows:stages of the Gluon kernel also timed")
+    p.add_argument("--configs", default="64:4,64:2,128:3,128:2", help="rows:stages of the Gluon kernel also timed")
     ns = p.parse_args()
     rows = []
     for case in ns.cases.split(","):

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import LOG2E
@@ -79,20 +80,18 @@ def _load_kv(k_desc, v_desc, bars, k_smem, v_smem, i, row0, col_k, col_v, BLOCK_
 
 @gluon.jit
 def _range_fwd_hopper(
-    q_desc, k_desc, v_desc, O, LSE, BITS, O_CMP, O_WIN, GATES, OUT,
-    sob, sot, soh, slb, slt, sbb, sbt, sbg, sgb, sgt, sgh,
-    T, NK, H, G, scale_log2, block_len, block_stride, window, sel_block,
-    MODE: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr,
+    Q, k_desc, v_desc, O, LSE, BITS, O_CMP, O_WIN, GATES, OUT,
+    sqb, sqt, sqh, sob, sot, soh, slb, slt, sbb, sbt, sbg, sgb, sgt, sgh,
+    T, NK, G, scale_log2, block_len, block_stride, window, sel_block,
+    h: gl.constexpr, MODE: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr,
 ):
     pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b32 = pid_bh // H  # TMA coordinates are 32-bit; pointer offsets use b, 64-bit
+    pid_bg = gl.program_id(1)
+    b32 = pid_bg // G  # TMA coordinates are 32-bit; pointer offsets use b, 64-bit
     b = b32.to(gl.int64)
-    head = pid_bh % H
-    g = head // (H // G)
-    q0 = pid_m * BLOCK_M
-    dtype: gl.constexpr = q_desc.dtype
+    g = pid_bg % G
+    dtype: gl.constexpr = k_desc.dtype
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -101,12 +100,16 @@ def _range_fwd_hopper(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # Rows are (token, head) pairs of one key/value group, row r <-> token r // h, head r % h (range_attention's
+    # packing): every key/value tile serves the group's h heads.
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DV // 8), DV // 8], [num_warps, 1], [1, 0])
+    qio: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DK // 8), DK // 8], [num_warps, 1], [1, 0])
 
-    # The program's keys: from the first token's first key to the last token's last one.
-    t = q0 + gl.arange(0, BLOCK_M, layout=row_s)
-    row_ok = t < T
+    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    row_ok = rows < T * h
+    t = rows // h
     lo, hi = _key_range(t, row_ok, MODE, block_len, block_stride, window)
-    t_last = gl.minimum(q0 + BLOCK_M, T) - 1
+    # The program's keys: from the first token's first key to the last token's last one.
     k_start = (gl.min(gl.where(row_ok, lo, NK), 0) // BLOCK_N) * BLOCK_N
     k_end = gl.max(hi, 0) + 1
     # Key steps inside [a, e) are seen whole by every row: no range mask there.
@@ -116,18 +119,22 @@ def _range_fwd_hopper(
     n_tiles = gl.maximum(gl.cdiv(k_end - k_start, BLOCK_N), 1)
     bits = t.to(gl.int64) * 0
     if MODE == 2:
-        bits = gl.load(BITS + b * sbb + t * sbt + g * sbg, mask=row_ok, other=0)
+        bits = gl.load(BITS + b * sbb + t.to(gl.int64) * sbt + g * sbg, mask=row_ok, other=0)
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DK], q_desc.layout)
+    # The rows' queries: loaded once, so by plain 16-byte loads into shared memory (a TMA box cannot start
+    # mid-token).
+    qr = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, qio))
+    qd = gl.arange(0, DK, layout=gl.SliceLayout(0, qio))
+    q_off = b * sqb + (qr // h).to(gl.int64)[:, None] * sqt + (g * h + qr % h).to(gl.int64)[:, None] * sqh
+    q_val = gl.load(Q + q_off + qd[None, :], mask=(qr < T * h)[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DK], gl.NVMMASharedLayout.get_default_for([BLOCK_M, DK],
+                                                                                                   dtype), q_val)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DK], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b32 * T + q0, head * DK], q_bar, q_smem)
+    fence_async_shared()  # the queries' stores before the tensor cores read them
     row0 = b32 * NK + k_start
     for i in gl.static_range(STAGES - 1):
         if i < n_tiles:
@@ -138,7 +145,6 @@ def _range_fwd_hopper(
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
     acc = gl.zeros([BLOCK_M, DV], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
 
     # Step 0, then each step issues its S before the previous step's P V and awaits that product only after
     # its own softmax.
@@ -165,26 +171,27 @@ def _range_fwd_hopper(
         acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index((n_tiles - 1) % STAGES), acc)
-    mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
     has_key = l_i > 0
     l_safe = gl.where(has_key, l_i, 1.0)
     lse = gl.where(has_key, (m_i + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-    gl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
+    head = g * h + rows % h
+    gl.store(LSE + b * slb + t.to(gl.int64) * slt + head, lse, mask=row_ok)
     out = (acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
     # The stores (and the gated sum's loads) in a row-major layout: 16-byte accesses, not the accumulator's.
-    io: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DV // 8), DV // 8], [num_warps, 1], [1, 0])
     out = gl.convert_layout(out, io)
-    to = (q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io))).to(gl.int64)
-    ok = (to < T)[:, None]
+    r = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io))
+    ok = (r < T * h)[:, None]
+    tok = (r // h).to(gl.int64)[:, None]
+    hd = (g * h + r % h).to(gl.int64)[:, None]
     dv = gl.arange(0, DV, layout=gl.SliceLayout(0, io))
-    o_off = b * sob + to[:, None] * sot + head * soh + dv[None, :]
+    o_off = b * sob + tok * sot + hd * soh + dv[None, :]
     gl.store(O + o_off, out, mask=ok)
     if GATED:
         # The gated sum of the three branches (all [B,T,H,Dv] with O's strides), this one as stored.
-        gate = GATES + b * sgb + to[:, None] * sgt + head * sgh
+        gate = GATES + b * sgb + tok * sgt + hd * sgh
         total = gl.load(gate + 1, mask=ok, other=0.0).to(gl.float32) * out.to(gl.float32)
         total += gl.load(gate, mask=ok, other=0.0).to(gl.float32) * gl.load(O_CMP + o_off, mask=ok, other=0.0).to(
             gl.float32)
@@ -194,32 +201,33 @@ def _range_fwd_hopper(
 
 
 def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
-    """Whether the Gluon kernel serves this call: an sm_90 GPU, bf16/fp16, head dims 64 or 128 with Dk == Dv,
-    TMA-friendly layouts ([B,T,H,D] rows in one stride), and for the selected branch whole blocks per key step."""
+    """Whether the Gluon kernel serves this call: an sm_90 GPU, bf16/fp16, head dims 64 or 128 with Dk == Dv, keys
+    and values whose tokens are rows of one stride (TMA tiles), and for the selected branch whole blocks per key
+    step. Short compressed streams stay with the Triton kernel (`Tuning.hopper_min_keys`)."""
     if not (TUNING.hopper_forward and q.is_cuda and q.dtype in _DTYPES and k.dtype == q.dtype == v.dtype):
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    if Dk != Dv or Dk not in (64, 128) or NK == 0 or H % G:
+    if Dk != Dv or Dk not in (64, 128) or NK < max(1, TUNING.hopper_min_keys) or H % G or q.stride(-1) != 1:
         return False
     if mode == 2 and sel_block % _config(Dk)["BLOCK_N"]:
         return False
-    rows_ok = all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and x.stride(1) == x.shape[2] * x.shape[3]
-                  and (B == 1 or x.stride(0) == x.shape[1] * x.stride(1)) and x.data_ptr() % 16 == 0
-                  for x in (q, k, v))
-    return rows_ok
+    return all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and x.stride(1) == x.shape[2] * x.shape[3]
+               and (B == 1 or x.stride(0) == x.shape[1] * x.stride(1)) and x.data_ptr() % 16 == 0 for x in (k, v))
 
 
 def _config(d: int) -> dict:
-    if d <= 64:
-        return dict(BLOCK_M=TUNING.hopper_block_m, BLOCK_N=64, STAGES=TUNING.hopper_stages, num_warps=4)
+    """Rows ((token, head) pairs) and keys per step, stages of the key/value ring, warps."""
+    if d <= 64:  # a warp per 16 rows: 128 rows on 4 warps spill (compiled for sm_90), on 8 they need ~140 registers
+        rows = TUNING.hopper_block_m
+        return dict(BLOCK_M=rows, BLOCK_N=64, STAGES=TUNING.hopper_stages, num_warps=max(4, rows // 16))
     return dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)
 
 
 def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """x [B,N,heads,D] as TMA tiles of `rows` tokens x one head's D columns of its [B*N, heads*D] view."""
+    """x [B,N,G,D] as TMA tiles of `rows` tokens x one group's D columns of its [B*N, G*D] view."""
     flat = x.view(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3])
     layout = gl.NVMMASharedLayout.get_default_for([rows, x.shape[3]], _DTYPES[x.dtype])
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[3]], layout)
@@ -233,11 +241,10 @@ def range_attention_fwd_hopper(q, k, v, o, lse, mode: int, scale: float, block_l
     cfg = _config(D)
     o_cmp, o_win, gates = gated if gated is not None else (o, o, lse)
     gate_strides = gates.stride()[:3] if gated is not None else (0, 0, 0)
-    grid = (-(-T // cfg["BLOCK_M"]), B * H)
+    grid = (-(-T * (H // G) // cfg["BLOCK_M"]), B * G)
     _range_fwd_hopper[grid](
-        _descriptor(q, cfg["BLOCK_M"]), _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
-        o, lse, bits, o_cmp, o_win, gates, out,
-        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), *bit_strides, *gate_strides,
-        T, NK, H, G, scale * LOG2E, block_len, block_stride, window, max(sel_block, 1),
-        MODE=mode, DK=D, DV=D, GATED=gated is not None, **cfg,
+        q, _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]), o, lse, bits, o_cmp, o_win, gates, out,
+        q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        *bit_strides, *gate_strides, T, NK, G, scale * LOG2E, block_len, block_stride, window, max(sel_block, 1),
+        h=H // G, MODE=mode, DK=D, DV=D, GATED=gated is not None, **cfg,
     )

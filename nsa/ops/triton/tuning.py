@@ -25,7 +25,11 @@ class Tuning:
     """On an sm_90 GPU, run the compressed/window/tiled-selected forward as the Gluon kernel of hopper_forward.py
     (TMA, asynchronous wgmma) where it applies; False keeps Triton's kernel (the one the CPU tests check)."""
     hopper_block_m: int = 64
-    """Query tokens per program of that kernel at head dims up to 64 (one head per program)."""
+    """(token, head) rows per program of that kernel at head dims up to 64 (a warp per 16 rows)."""
+    hopper_min_keys: int = 512
+    """That kernel serves a branch whose key stream has at least this many tokens (a program with a step or two of
+    keys is mostly set-up: M7C's 127 compressed keys at 2k x 16 took 0.143 ms against Triton's 0.082, one head
+    per program)."""
     hopper_stages: int = 3
     """Key/value tiles in flight in its shared-memory ring (measured on H100, dense causal M7C forward: 3-4
     stages of 64 x 64 at 348-398 TFLOP/s from 2k to 64k, against 281-380 for the Triton kernel)."""
