@@ -53,7 +53,7 @@ def main() -> None:
         T, batch = (int(x) for x in size.split("x"))
         for branch, fn in calls(shape, T, batch).items():
             times = {True: [], False: []}
-            TUNING.hopper_min_tokens = 0  # the Gluon side serves every branch here
+            TUNING.hopper_min_tokens_window = TUNING.hopper_min_tokens_compressed = 0  # Gluon serves every branch
             for _ in range(ns.rounds):
                 for gluon in (True, False):
                     TUNING.hopper_forward = gluon

@@ -203,8 +203,8 @@ def _range_fwd_hopper(
 def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
     """Whether the Gluon kernel serves this call: an sm_90 GPU, bf16/fp16, head dims 64 or 128 with Dk == Dv, keys
     and values whose tokens are rows of one stride (TMA tiles), and for the selected branch whole blocks per key
-    step. The compressed and window branches of short sequences stay with the Triton kernel
-    (`Tuning.hopper_min_tokens`)."""
+    step. The compressed and window branches of shorter sequences stay with the Triton kernel
+    (`Tuning.hopper_min_tokens_*`, measured)."""
     if not (TUNING.hopper_forward and q.is_cuda and q.dtype in _DTYPES and k.dtype == q.dtype == v.dtype):
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -213,7 +213,7 @@ def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if Dk != Dv or Dk not in (64, 128) or NK == 0 or H % G or q.stride(-1) != 1:
         return False
-    if mode != 2 and T < TUNING.hopper_min_tokens:
+    if T < {0: TUNING.hopper_min_tokens_compressed, 1: TUNING.hopper_min_tokens_window, 2: 0}[mode]:
         return False
     if mode == 2 and sel_block % _config(Dk)["BLOCK_N"]:
         return False

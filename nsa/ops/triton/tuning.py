@@ -26,10 +26,13 @@ class Tuning:
     (TMA, asynchronous wgmma) where it applies; False keeps Triton's kernel (the one the CPU tests check)."""
     hopper_block_m: int = 64
     """(token, head) rows per program of that kernel at head dims up to 64 (a warp per 16 rows)."""
-    hopper_min_tokens: int = 8192
-    """That kernel serves the compressed and window branches from this sequence length on (the tiled selected
-    branch always): measured on H100, M7C at 2k x 16 the Gluon kernel took 0.16 / 0.23 ms against Triton's 0.081 /
-    0.21 for those two branches, at 64k 1.11 / 0.38 against 1.27 / 0.45."""
+    hopper_min_tokens_window: int = 16384
+    """That kernel serves the window branch from this sequence length on (the tiled selected branch always).
+    Measured on H100, M7C, Gluon / Triton time: 1.06x at 2k x 16, 1.02x at 8k x 4, 0.85x at 16k x 2, 0.84x at 64k;
+    the paper shape 0.90-0.92x at every length."""
+    hopper_min_tokens_compressed: int = 65536
+    """The same for the compressed branch. M7C: 2.1x at 2k, 1.5x at 8k, 2.3x at 16k (slower), 0.85x at 64k; the paper
+    shape 0.86-0.91x at every length."""
     hopper_stages: int = 3
     """Key/value tiles in flight in its shared-memory ring (measured on H100, dense causal M7C forward: 3-4
     stages of 64 x 64 at 348-398 TFLOP/s from 2k to 64k, against 281-380 for the Triton kernel)."""
