@@ -67,6 +67,8 @@ def test_hopper_forward_matches_the_triton_kernel(name, T, mode, monkeypatch):
         monkeypatch.setattr(TUNING, f"hopper_min_tokens_{branch}", 0)
     ins = bf16_inputs(2, T, name, seed=T + mode, requires_grad=False)
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = ins
+    # The raw keys and values as the model hands them over: views into one wider projection.
+    k_sel, v_sel, k_win, v_win = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)
     k, v = [(k_cmp, v_cmp), (k_win, v_win), (k_sel, v_sel)][mode]
     bits = None
     if mode == ra.MODE_SEL:

@@ -217,7 +217,8 @@ def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         return False
     if mode == 2 and sel_block % _config(Dk)["BLOCK_N"]:
         return False
-    return all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and x.stride(1) == x.shape[2] * x.shape[3]
+    # Keys and values are often views into the model's wider key/value projection: tokens one stride apart.
+    return all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and (x.stride(1) * x.element_size()) % 16 == 0
                and (B == 1 or x.stride(0) == x.shape[1] * x.stride(1)) and x.data_ptr() % 16 == 0 for x in (k, v))
 
 
@@ -230,10 +231,11 @@ def _config(d: int) -> dict:
 
 
 def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """x [B,N,G,D] as TMA tiles of `rows` tokens x one group's D columns of its [B*N, G*D] view."""
-    flat = x.view(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3])
-    layout = gl.NVMMASharedLayout.get_default_for([rows, x.shape[3]], _DTYPES[x.dtype])
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, x.shape[3]], layout)
+    """x [B,N,G,D] as TMA tiles of `rows` tokens x one group's D columns: a [B*N, G*D] matrix whose rows (tokens)
+    lie x.stride(1) apart (hopper_forward_supports checked the layout)."""
+    B, N, G, D = x.shape
+    layout = gl.NVMMASharedLayout.get_default_for([rows, D], _DTYPES[x.dtype])
+    return TensorDescriptor(x, [B * N, G * D], [x.stride(1), 1], [rows, D], layout)
 
 
 def range_attention_fwd_hopper(q, k, v, o, lse, mode: int, scale: float, block_len: int, block_stride: int,
