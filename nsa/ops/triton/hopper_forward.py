@@ -4,11 +4,17 @@ Same contract as range_attention_fwd for the compressed, window and tiled select
 gated sum): on an H100 at head dim 64, Triton's own kernel keeps the tensor cores ~28% busy against
 cuDNN's ~45% (benchmarks/RESULTS.md, fifteenth session). Here the schedule is explicit:
 
-- one program per (tile of query tokens, head): queries, keys and values arrive by TMA, the keys and
-  values of the next tiles into a ring of shared-memory stages guarded by mbarriers;
-- S = Q K^T and O += P V run as asynchronous wgmma; tile i's S is issued before tile i-1's P V, and
-  that product is awaited only after tile i's softmax, so the tensor cores and the softmax overlap;
-- 125-190 registers instead of 255, so three programs share an SM.
+- one program per tile of (token, head) rows of a key/value group, as range_attention packs them: its
+  queries are loaded once into shared memory, the group's keys and values of the next steps arrive by
+  TMA into a ring of shared-memory stages guarded by mbarriers;
+- S = Q K^T and O += P V run as asynchronous wgmma; step i's S is issued before step i-1's P V, and
+  that product is awaited only after step i's softmax, so the tensor cores and the softmax overlap;
+- ~130-180 registers (sm_90) instead of 255, so three programs share an SM.
+
+Measured against the Triton kernel on an H100 (benchmarks/hopper_forward_ab.py): 1.27x on M7C's tiled
+selected branch at 2k, 1.18x on its compressed and window branches at 64k, 1.1-1.2x on the paper
+shape's; slower on M7C's compressed and window branches of shorter sequences, which therefore stay with
+Triton (Tuning.hopper_min_tokens_*).
 
 Gluon has no CPU interpreter: the Triton kernel stays the reference the CPU tests check, this one is
 checked against it and the reference on the GPU (tests/test_triton_gpu.py) and compiled for sm_90 in CI
