@@ -34,7 +34,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .common import LOG2E
 from .tuning import TUNING
 
-_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_DTYPES = {torch.bfloat16: gl.bfloat16}
+"""Input types it serves: bf16, the one its GPU tests check (float16 takes the Triton kernel)."""
 
 
 @gluon.jit
@@ -207,7 +208,7 @@ def _range_fwd_hopper(
 
 
 def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
-    """Whether the Gluon kernel serves this call: an sm_90 GPU, bf16/fp16, head dims 64 or 128 with Dk == Dv, keys
+    """Whether the Gluon kernel serves this call: an sm_90 GPU, bf16, head dims 64 or 128 with Dk == Dv, keys
     and values whose tokens are rows of one stride (TMA tiles), and for the selected branch whole blocks per key
     step. The compressed and window branches of shorter sequences stay with the Triton kernel
     (`Tuning.hopper_min_tokens_*`, measured)."""

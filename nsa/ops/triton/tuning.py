@@ -34,8 +34,9 @@ class Tuning:
     """The same for the compressed branch. M7C: 2.1x at 2k, 1.5x at 8k, 2.3x at 16k (slower), 0.85x at 64k; the paper
     shape 0.86-0.91x at every length."""
     hopper_stages: int = 3
-    """Key/value tiles in flight in its shared-memory ring (measured on H100, dense causal M7C forward: 3-4
-    stages of 64 x 64 at 348-398 TFLOP/s from 2k to 64k, against 281-380 for the Triton kernel)."""
+    """Key/value tiles in flight in its shared-memory ring. Measured on H100, dense causal M7C forward (w = T):
+    339 / 379 TFLOP/s at 2k x 16 / 64k with 3 stages, 344 / 396 with 4, Triton's kernel 282 / 380; on NSA's own
+    branches (benchmarks/hopper_forward_ab.py) 3 stages won more often."""
     dq_block_m: int = 64
     """(token, head) rows per program of query_grad's dQ kernel (all branches), head dims up to 64
     (range_block_m_wide above). Measured on H100, M7C: 64 rows 0.72 / 2.49 ms at 2k x 16 / 64k, 128 rows 0.92 /
