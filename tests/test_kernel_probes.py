@@ -1,6 +1,6 @@
-"""benchmarks/kernel_pipes.py reads Nsight Compute's raw CSV into its table; the Gluon range forward still builds for
-sm_90 with the pinned Triton: Gluon has no CPU interpreter, so this compile, without a GPU, is what CI can check of
-it (its numbers are checked on the GPU, tests/test_triton_gpu.py)."""
+"""benchmarks/kernel_pipes.py reads Nsight Compute's raw CSV into its table; the Gluon range forward and dK/dV kernels
+still build for sm_90 with the pinned Triton: Gluon has no CPU interpreter, so this compile, without a GPU, is what CI
+can check of them (their numbers are checked on the GPU, tests/test_triton_gpu.py)."""
 
 import importlib.util
 import os
@@ -61,3 +61,28 @@ def test_hopper_forward_builds_for_every_branch_and_head_dim():
     lines = out.stdout.strip().split("\n")
     assert len(lines) == 4 and all(" True registers " in line for line in lines), out.stdout
     assert all(" spill stack 0 B " in line for line in lines), out.stdout  # no local-memory traffic in the loop
+
+
+def test_hopper_dkdv_builds_for_every_branch_and_head_dim():
+    check = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import torch\n"
+        "from offline_compile import compile_gluon, report\n"
+        "from nsa.ops.triton import hopper_backward as hb, hopper_forward as hf\n"
+        "for D, h, mode, atomic in ((64, 6, 0, True), (64, 6, 1, False), (64, 6, 2, True), (128, 16, 2, True)):\n"
+        "    cfg = hb.hopper_backward_config(D); warps = cfg.pop('num_warps')\n"
+        "    kv = torch.empty(1, 256, 2, D, dtype=torch.bfloat16)\n"
+        "    descs = {'k_desc': hf._descriptor(kv, cfg['BLOCK_N']), 'v_desc': hf._descriptor(kv, cfg['BLOCK_N'])}\n"
+        "    types = {n: '*fp32' for n in ('LSE', 'DELTA', 'DKo', 'DVo')} | {'Q': '*bf16', 'DO': '*bf16'}\n"
+        "    types |= {'BITS': '*i64', 'scale_log2': 'fp32', 'scale': 'fp32'}\n"
+        "    consts = dict(h=h, MODE=mode, D=D, ATOMIC=atomic, **cfg)\n"
+        "    c = compile_gluon(hb._range_dkdv_hopper, descs, consts, types, warps, divisible=True)\n"
+        "    ptx = c.asm['ptx']\n"
+        "    print(D, mode, 'wgmma.mma_async' in ptx and 'cp.async.cg' in ptx, report(c))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=BENCH.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().split("\n")
+    assert len(lines) == 4 and all(" True registers " in line for line in lines), out.stdout
+    assert all(" spill stack 0 B " in line for line in lines), out.stdout

@@ -93,6 +93,37 @@ def test_hopper_forward_matches_the_triton_kernel(name, T, mode, monkeypatch):
             assert rel_err(a, b) < 5e-3, rel_err(a, b)
 
 
+@pytest.mark.parametrize("name,T", [("m7c", 2081), ("m7c", 700), ("paper", 2048)])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_hopper_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
+    # The Gluon dK/dV kernel (hopper_backward.py) against the Triton one the CPU tests check: each branch, two
+    # sequences, odd lengths, keys and values as views into one projection, row splits added atomically.
+    from nsa.ops.triton import range_attention as ra
+    from nsa.ops.triton.hopper_backward import hopper_backward_supports
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon dK/dV kernel is built for sm_90")
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, _ = bf16_inputs(2, T, name, seed=T + mode, requires_grad=False)
+    k_sel, v_sel, k_win, v_win = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)
+    k, v = [(k_cmp, v_cmp), (k_win, v_win), (k_sel, v_sel)][mode]
+    bits = None
+    if mode == ra.MODE_SEL:
+        idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
+        bits = ra.chosen_bits(idx, -(-T // HP["sel_block"]))
+    scale = q.shape[-1] ** -0.5
+    args = (mode, scale, 32, 16, HP["window"])
+    o, lse = ra.range_attention_fwd(q, k, v, *args, bits, HP["sel_block"])
+    do = torch.randn_like(o)
+    delta = (do.float() * o.float()).sum(-1)
+    assert hopper_backward_supports(q, k, v, do, mode, HP["sel_block"])
+    hopper = ra.range_attention_dkdv(q, k, v, do, lse, delta, *args, bits, HP["sel_block"])
+    monkeypatch.setattr(TUNING, "hopper_backward", False)
+    triton_ = ra.range_attention_dkdv(q, k, v, do, lse, delta, *args, bits, HP["sel_block"])
+    for grad_name, a, b in zip(("dk", "dv"), hopper, triton_):
+        assert torch.isfinite(a).all(), grad_name
+        assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
+
+
 @pytest.mark.parametrize("T", [65536, 131072])
 def test_long_sequences_stay_finite_and_agree_with_their_prefix(T, monkeypatch):
     # The prefix must take the long run's selected-branch path (a 4096-token run would be tiled) to match bit for bit.

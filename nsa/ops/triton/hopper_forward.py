@@ -11,7 +11,7 @@ cuDNN's ~45% (benchmarks/RESULTS.md, fifteenth session). Here the schedule is ex
   that product is awaited only after step i's softmax, so the tensor cores and the softmax overlap;
 - ~130-180 registers (sm_90) instead of 255, so three programs share an SM.
 
-Measured against the Triton kernel on an H100 (benchmarks/hopper_forward_ab.py): 1.27x on M7C's tiled
+Measured against the Triton kernel on an H100 (benchmarks/hopper_ab.py): 1.27x on M7C's tiled
 selected branch at 2k, 1.18x on its compressed and window branches at 64k, 1.1-1.2x on the paper
 shape's; slower on M7C's compressed and window branches of shorter sequences, which therefore stay with
 Triton (Tuning.hopper_min_tokens_*).
@@ -207,12 +207,10 @@ def _range_fwd_hopper(
         gl.store(OUT + o_off, total.to(dtype), mask=ok)
 
 
-def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
-    """Whether the Gluon kernel serves this call: an sm_90 GPU, bf16, head dims 64 or 128 with Dk == Dv, keys
-    and values whose tokens are rows of one stride (TMA tiles), and for the selected branch whole blocks per key
-    step. The compressed and window branches of shorter sequences stay with the Triton kernel
-    (`Tuning.hopper_min_tokens_*`, measured)."""
-    if not (TUNING.hopper_forward and q.is_cuda and q.dtype in _DTYPES and k.dtype == q.dtype == v.dtype):
+def gluon_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the Gluon kernels can take these tensors: an sm_90 GPU, bf16, head dims 64 or 128 with Dk == Dv,
+    and keys and values whose tokens are rows of one stride (TMA tiles)."""
+    if not (q.is_cuda and q.dtype in _DTYPES and k.dtype == q.dtype == v.dtype):
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
@@ -220,13 +218,21 @@ def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if Dk != Dv or Dk not in (64, 128) or NK == 0 or H % G or q.stride(-1) != 1:
         return False
-    if T < {0: TUNING.hopper_min_tokens_compressed, 1: TUNING.hopper_min_tokens_window, 2: 0}[mode]:
-        return False
-    if mode == 2 and sel_block % _config(Dk)["BLOCK_N"]:
-        return False
     # Keys and values are often views into the model's wider key/value projection: tokens one stride apart.
     return all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and (x.stride(1) * x.element_size()) % 16 == 0
                and (B == 1 or x.stride(0) == x.shape[1] * x.stride(1)) and x.data_ptr() % 16 == 0 for x in (k, v))
+
+
+def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
+    """Whether the Gluon forward serves this call: gluon_layout_ok, and for the selected branch whole blocks per
+    key step. The compressed and window branches of shorter sequences stay with the Triton kernel
+    (`Tuning.hopper_min_tokens_*`, measured)."""
+    if not (TUNING.hopper_forward and gluon_layout_ok(q, k, v)):
+        return False
+    T = q.shape[1]
+    if T < {0: TUNING.hopper_min_tokens_compressed, 1: TUNING.hopper_min_tokens_window, 2: 0}[mode]:
+        return False
+    return mode != 2 or sel_block % _config(q.shape[-1])["BLOCK_N"] == 0
 
 
 def _config(d: int) -> dict:

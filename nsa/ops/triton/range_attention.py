@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
+from .hopper_backward import hopper_backward_config, hopper_backward_supports, range_attention_dkdv_hopper
 from .hopper_forward import hopper_forward_supports, range_attention_fwd_hopper
 from .tuning import TUNING
 
@@ -468,7 +469,8 @@ def range_attention_dkdv(q, k, v, do, lse, delta, mode: int, scale: float, block
         lse.stride(0), lse.stride(1),
     )
     dims = dict(MODE=mode, **head_dims(Dk, Dv))
-    cfg = _blocks(q, Dk, Dv, "dkdv")
+    hopper = hopper_backward_supports(q, k, v, do, mode, sel)
+    cfg = hopper_backward_config(Dk) if hopper else _blocks(q, Dk, Dv, "dkdv")
     key_tiles = triton.cdiv(NK, cfg["BLOCK_N"])
     if mode == MODE_WIN:
         splits, rows_per_split = 1, T * h
@@ -477,7 +479,10 @@ def range_attention_dkdv(q, k, v, do, lse, delta, mode: int, scale: float, block
     alloc = torch.zeros if splits > 1 else torch.empty
     dk_out = alloc(k.shape, device=k.device, dtype=torch.float32)
     dv_out = alloc(v.shape, device=v.device, dtype=torch.float32)
-    if NK > 0:
+    if NK > 0 and hopper:
+        range_attention_dkdv_hopper(q, k, v, do, lse, delta, dk_out, dv_out, mode, scale, block_len, block_stride,
+                                    window, idx, idx_strides, sel, splits, rows_per_split)
+    elif NK > 0:
         _range_bwd_dkdv_kernel[(key_tiles, splits, B * G)](
             q, k, v, do, lse, delta, dk_out, dv_out, idx, *strides,
             dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),

@@ -26,17 +26,28 @@ class Tuning:
     (TMA, asynchronous wgmma) where it applies; False keeps Triton's kernel (the one the CPU tests check)."""
     hopper_block_m: int = 64
     """(token, head) rows per program of that kernel at head dims up to 64 (a warp per 16 rows)."""
-    hopper_min_tokens_window: int = 16384
+    hopper_min_tokens_window: int = 0
     """That kernel serves the window branch from this sequence length on (the tiled selected branch always).
-    Measured on H100, M7C, Gluon / Triton time: 1.06x at 2k x 16, 1.02x at 8k x 4, 0.85x at 16k x 2, 0.84x at 64k;
-    the paper shape 0.90-0.92x at every length."""
-    hopper_min_tokens_compressed: int = 65536
-    """The same for the compressed branch. M7C: 2.1x at 2k, 1.5x at 8k, 2.3x at 16k (slower), 0.85x at 64k; the paper
-    shape 0.86-0.91x at every length."""
+    GPU time per call from CUDA-graph replays on an H100 (benchmarks/hopper_ab.py --graphs), Triton / Gluon: M7C
+    1.21x at every length from 2k to 64k, the paper shape 1.09-1.11x. (Calls timed back to back without graphs read
+    Gluon slower on short ones: its launch builds TMA descriptors on the host.)"""
+    hopper_min_tokens_compressed: int = 0
+    """The same for the compressed branch: M7C 1.04x at 2k x 16, 1.11x at 8k and 16k, 1.14x at 64k; paper 1.11-1.22x."""
     hopper_stages: int = 3
     """Key/value tiles in flight in its shared-memory ring. Measured on H100, dense causal M7C forward (w = T):
     339 / 379 TFLOP/s at 2k x 16 / 64k with 3 stages, 344 / 396 with 4, Triton's kernel 282 / 380; on NSA's own
-    branches (benchmarks/hopper_forward_ab.py) 3 stages won more often."""
+    branches (benchmarks/hopper_ab.py) 3 stages won more often."""
+    hopper_backward: bool = True
+    """On an sm_90 GPU, run the compressed/window/tiled-selected dK/dV kernel as the Gluon kernel of
+    hopper_backward.py where it applies; False keeps Triton's kernel (the one the CPU tests check)."""
+    hopper_dkdv_block_m: int = 64
+    """(token, head) rows per step of that kernel at head dims up to 64."""
+    hopper_dkdv_block_n: int = 64
+    """Keys per program of that kernel at head dims up to 64 (a warp per 16 keys)."""
+    hopper_dkdv_stages: int = 3
+    """Row steps in flight in its shared-memory ring (cp.async). GPU time on an H100, M7C at 2k x 16, 64 rows x
+    64 keys: 3 stages 0.655 ms on the tiled selected branch, 2 stages 0.689, Triton 0.785; 32 rows or 128 keys were
+    slower (benchmarks/hopper_ab.py --kernel dkdv --graphs)."""
     dq_block_m: int = 64
     """(token, head) rows per program of query_grad's dQ kernel (all branches), head dims up to 64
     (range_block_m_wide above). Measured on H100, M7C: 64 rows 0.72 / 2.49 ms at 2k x 16 / 64k, 128 rows 0.92 /
