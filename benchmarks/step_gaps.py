@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from nsa.bench.common import busy_and_gaps
 from nsa.bench.training import bench_config
@@ -30,6 +30,9 @@ parser.add_argument("--seq-len", type=int, default=2048)
 parser.add_argument("--batch-tokens", type=int, default=65536)
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--gaps", type=int, default=15)
+parser.add_argument("--back-to-back", type=int, default=1,
+                    help="profile this many steps launched back to back; with more than one, only gaps after the "
+                         "first step are listed, and each step's host time is printed")
 parser.add_argument("--out", help="folder for the chrome trace of the profiled step")
 ns = parser.parse_args()
 
@@ -47,7 +50,12 @@ for _ in range(ns.steps):
     trainer.train_step()[0].item()
     walls.append((time.perf_counter() - start) * 1e3)
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    trainer.train_step()[0].item()
+    # Back to back as in training (--back-to-back N): the steps after the first show the steady state, where the
+    # host runs ahead unless its own time per step exceeds the GPU's.
+    for i in range(ns.back_to_back):
+        with record_function(f"train_step {i}"):
+            out = trainer.train_step()
+    out[0].item()
 trace = Path(ns.out or "/tmp") / f"step_{ns.attention}_{ns.seq_len}.json"
 trace.parent.mkdir(parents=True, exist_ok=True)
 prof.export_chrome_trace(str(trace))
@@ -74,6 +82,14 @@ first = kernels[0]["ts"]
 print(f"{ns.attention} seq {ns.seq_len}: wall {statistics.median(walls):.1f} ms a step (median of {ns.steps}, "
       f"no profiler); kernels' union {busy / 1e3:.1f} ms; {len(kernels)} kernels; "
       f"idle between first and last kernel {sum(g for g, _ in gaps) / 1e3:.1f} ms (profiled)")
+if ns.back_to_back > 1:
+    steps = sorted((e for e in cpu_ops if e["name"].startswith("train_step ")), key=lambda e: e["ts"])
+    print("host ms per step (launching, profiled):", " ".join(f"{e['dur'] / 1e3:.1f}" for e in steps))
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - first
+    later = [(g, i) for g, i in gaps if kernels[i]["ts"] - first > span / ns.back_to_back]
+    print(f"GPU span {span / 1e3:.1f} ms for {ns.back_to_back} steps; idle after the first step "
+          f"{sum(g for g, _ in later) / 1e3 / (ns.back_to_back - 1):.2f} ms a step")
+    gaps = later
 print(f"{'gap ms':>7} {'at ms':>7}  before -> after  | host ops launching the kernel after")
 for gap, i in sorted(gaps, reverse=True)[: ns.gaps]:
     before, after = kernels[i - 1], kernels[i]
