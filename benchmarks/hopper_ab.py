@@ -1,6 +1,6 @@
 """The Gluon range kernels (nsa/ops/triton/hopper_forward.py, hopper_backward.py) against the Triton ones, branch by
 branch, GPU time per call (queued), the two alternating over several rounds on the same inputs; medians and their
-ratio. --kernel fwd times the forward, dkdv the dK/dV kernel. --graphs times CUDA-graph replays: the GPU's time
+ratio. --kernel fwd times the forward, dkdv the dK/dV kernel, dq the dQ kernel (all branches in one call). --graphs times CUDA-graph replays: the GPU's time
 alone, without the host's launches (a Gluon launch builds its TMA descriptors on the host, which dominates calls of
 ~0.1 ms when they are timed back to back).
 
@@ -17,6 +17,7 @@ import torch
 from nsa.bench.attention import HP, SHAPES, make_inputs
 from nsa.bench.common import format_table, graphed, time_cuda
 from nsa.ops import select_blocks
+from nsa.ops.triton import query_grad as qg
 from nsa.ops.triton import range_attention as ra
 from nsa.ops.triton.tuning import TUNING
 
@@ -35,6 +36,22 @@ def calls(shape: str, T: int, batch: int, kernel: str) -> dict:
     if blocks <= 64:
         idx = select_blocks(q, k_cmp, **{k: HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel")})
         branches["selected+gated"] = (ra.MODE_SEL, k_sel, v_sel, ra.chosen_bits(idx, blocks), HP["sel_block"])
+    if kernel == "dq":  # all branches in one call; the selected one tiled where it fits, else left out
+        sel = qg.SelectedDQ(qg.SEL_NONE)
+        lse_g, delta = [], []
+        for name in ("compressed", "selected+gated", "window"):  # query_grad's order: cmp, sel, win
+            mode, k, v, bits, sel_block = branches.get(name, branches["window"])
+            o, lse = ra.range_attention_fwd(q, k, v, mode, scale, 32, 16, HP["window"], bits, sel_block)
+            lse_g.append(lse)
+            delta.append((o.float() * o.float()).sum(-1))
+        if "selected+gated" in branches:
+            _, k, v, bits, sel_block = branches["selected+gated"]
+            sel = qg.SelectedDQ(qg.SEL_TILED, k, v, bits, sel_block=sel_block)
+        do = torch.randn_like(q)
+        lse_g, delta = torch.stack(lse_g), torch.stack(delta)
+        cmp, win = (k_cmp, v_cmp), (k_win, v_win)
+        return {"all branches" if sel.kind else "compressed+window": lambda: qg.query_grad(
+            q, do, lse_g, delta, scale, 32, 16, HP["window"], cmp, win, sel)}
     out = {}
     for name, (mode, k, v, bits, sel_block) in branches.items():
         args = (q, k, v, mode, scale, 32, 16, HP["window"], bits, sel_block)
@@ -52,6 +69,7 @@ def calls(shape: str, T: int, batch: int, kernel: str) -> dict:
 
 # Per kernel: the switch, and the Tuning fields a --configs entry sets (colon-separated, in this order).
 KNOBS = {"fwd": ("hopper_forward", ("hopper_block_m", "hopper_stages")),
+         "dq": ("hopper_query_grad", ("hopper_dq_block_m", "hopper_dq_stages")),
          "dkdv": ("hopper_backward", ("hopper_dkdv_block_m", "hopper_dkdv_block_n", "hopper_dkdv_stages"))}
 
 

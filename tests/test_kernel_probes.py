@@ -86,3 +86,29 @@ def test_hopper_dkdv_builds_for_every_branch_and_head_dim():
     lines = out.stdout.strip().split("\n")
     assert len(lines) == 4 and all(" True registers " in line for line in lines), out.stdout
     assert all(" spill stack 0 B " in line for line in lines), out.stdout
+
+
+def test_hopper_query_grad_builds_for_each_selected_share():
+    check = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import torch\n"
+        "from offline_compile import compile_gluon, report\n"
+        "from nsa.ops.triton import hopper_query_grad as hq, hopper_forward as hf\n"
+        "for D, h, sel in ((64, 6, 1), (64, 6, 2), (64, 6, 0), (128, 16, 3)):\n"
+        "    cfg = hq.hopper_query_grad_config(D); warps = cfg.pop('num_warps')\n"
+        "    kv = torch.empty(1, 256, 2, D, dtype=torch.bfloat16)\n"
+        "    descs = {f'{x}{c}_desc': hf._descriptor(kv, cfg['BLOCK_N']) for x in 'kv' for c in 'csw'}\n"
+        "    types = {f'{x}_{c}': '*fp32' for x in ('LSE', 'DELTA') for c in 'CSW'} | {'DQ_SEL': '*fp32'}\n"
+        "    types |= {n: '*bf16' for n in ('Q', 'DO', 'DQ', 'PARTS')} | {'SEL_IDX': '*i64'}\n"
+        "    types |= {'scale_log2': 'fp32', 'scale': 'fp32'}\n"
+        "    consts = dict(h=h, HAS_CMP=True, HAS_WIN=True, SEL=sel, NP=16, D=D, **cfg)\n"
+        "    c = compile_gluon(hq._query_grad_hopper, descs, consts, types, warps, divisible=True)\n"
+        "    ptx = c.asm['ptx']\n"
+        "    print(D, sel, 'wgmma.mma_async' in ptx and 'cp.async.bulk.tensor' in ptx, report(c))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=BENCH.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().split("\n")
+    assert len(lines) == 4 and all(" True registers " in line for line in lines), out.stdout
+    assert all(" spill stack 0 B " in line for line in lines), out.stdout

@@ -124,6 +124,29 @@ def test_hopper_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
         assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("name,T", [("m7c", 2081), ("m7c", 700), ("m7c", 4133), ("paper", 2048), ("paper", 4500)])
+def test_hopper_query_grad_matches_the_triton_kernel(name, T, monkeypatch):
+    # The Gluon dQ kernel (hopper_query_grad.py) against the Triton one inside a whole backward: the selected
+    # branch's share tiled (short T), as block-centric partials (M7C at 4k) and as a per-query dQ (paper at 4.5k).
+    from nsa.ops.triton import query_grad as qg
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon dQ kernel is built for sm_90")
+    calls = []
+    original = qg.query_grad_hopper
+    monkeypatch.setattr(qg, "query_grad_hopper", lambda *a, **k: (calls.append(a[11]), original(*a, **k))[1])
+    ins = bf16_inputs(2, T, name, seed=T)
+    do = torch.randn(ins[0].shape[:3] + (ins[4].shape[-1],), device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for gluon in (True, False):
+        monkeypatch.setattr(TUNING, "hopper_query_grad", gluon)
+        out = nsa_attention(*ins, **HP, backend="triton")
+        grads[gluon] = torch.autograd.grad(out, ins[0], do)[0]
+    assert calls, "the Gluon dQ kernel did not run"
+    assert torch.isfinite(grads[True]).all()
+    assert rel_err(grads[True], grads[False]) < 5e-3, rel_err(grads[True], grads[False])
+
+
 @pytest.mark.parametrize("T", [65536, 131072])
 def test_long_sequences_stay_finite_and_agree_with_their_prefix(T, monkeypatch):
     # The prefix must take the long run's selected-branch path (a 4096-token run would be tiled) to match bit for bit.

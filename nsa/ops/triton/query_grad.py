@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, head_dims, load_tile, store_tile
+from .hopper_query_grad import hopper_query_grad_supports, query_grad_hopper
 from .range_attention import _blocks, _dq_keys, _key_plan, _rows
 from .tuning import TUNING
 
@@ -140,6 +141,11 @@ def query_grad(q: torch.Tensor, do: torch.Tensor, lse_g: torch.Tensor, delta: to
     ks, vs = (sel.k, sel.v) if sel.kind == SEL_TILED else (q, q)
     choice = sel.choice if sel.choice is not None else q
     n = sel.choice.shape[-1] if sel.kind == SEL_PARTS else 1
+    sel_kv = (sel.k, sel.v) if sel.kind == SEL_TILED else None
+    if hopper_query_grad_supports(q, do, cmp, win, sel.kind, sel_kv, sel.sel_block):
+        query_grad_hopper(q, do, dq, lse_g, delta, scale, block_len, block_stride, window, cmp, win, sel.kind, sel_kv,
+                          sel.choice, sel.parts, sel.dq, n, sel.sel_block)
+        return dq
     cfg = _blocks(q, Dk, Dv, "dq")
     if sel.kind == SEL_TILED and q.device.type == "cuda" and max(Dk, Dv) <= 64:
         cfg["BLOCK_N"] = TUNING.dq_block_n_tiled

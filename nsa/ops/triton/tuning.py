@@ -48,6 +48,13 @@ class Tuning:
     """Row steps in flight in its shared-memory ring (cp.async). GPU time on an H100, M7C at 2k x 16, 64 rows x
     64 keys: 3 stages 0.655 ms on the tiled selected branch, 2 stages 0.689, Triton 0.785; 32 rows or 128 keys were
     slower (benchmarks/hopper_ab.py --kernel dkdv --graphs)."""
+    hopper_query_grad: bool = True
+    """On an sm_90 GPU, run query_grad's dQ kernel as the Gluon kernel of hopper_query_grad.py where it applies;
+    False keeps Triton's kernel (the one the CPU tests check)."""
+    hopper_dq_block_m: int = 64
+    """(token, head) rows per program of that kernel at head dims up to 64 (a warp per 16 rows)."""
+    hopper_dq_stages: int = 3
+    """Key/value steps in flight in its shared-memory ring."""
     dq_block_m: int = 64
     """(token, head) rows per program of query_grad's dQ kernel (all branches), head dims up to 64
     (range_block_m_wide above). Measured on H100, M7C: 64 rows 0.72 / 2.49 ms at 2k x 16 / 64k, 128 rows 0.92 /
