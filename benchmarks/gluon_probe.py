@@ -52,7 +52,7 @@ def main() -> None:
 
     def window(gluon: bool, rows: int = 64, stages: int = 3):
         def run():
-            TUNING.hopper_forward, TUNING.hopper_min_tokens_window = gluon, 0
+            TUNING.hopper_forward = gluon
             TUNING.hopper_block_m, TUNING.hopper_stages = rows, stages
             return ra.range_attention_fwd(q, k, v, ra.MODE_WIN, D**-0.5, 32, 16, T)[0]
         return run

@@ -63,8 +63,6 @@ def test_hopper_forward_matches_the_triton_kernel(name, T, mode, monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is built for sm_90")
-    for branch in ("window", "compressed"):  # every branch at these lengths
-        monkeypatch.setattr(TUNING, f"hopper_min_tokens_{branch}", 0)
     ins = bf16_inputs(2, T, name, seed=T + mode, requires_grad=False)
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = ins
     # The raw keys and values as the model hands them over: views into one wider projection.

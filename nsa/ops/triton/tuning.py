@@ -26,13 +26,6 @@ class Tuning:
     (TMA, asynchronous wgmma) where it applies; False keeps Triton's kernel (the one the CPU tests check)."""
     hopper_block_m: int = 64
     """(token, head) rows per program of that kernel at head dims up to 64 (a warp per 16 rows)."""
-    hopper_min_tokens_window: int = 0
-    """That kernel serves the window branch from this sequence length on (the tiled selected branch always).
-    GPU time per call from CUDA-graph replays on an H100 (benchmarks/hopper_ab.py --graphs), Triton / Gluon: M7C
-    1.21x at every length from 2k to 64k, the paper shape 1.09-1.11x. (Calls timed back to back without graphs read
-    Gluon slower on short ones: its launch builds TMA descriptors on the host.)"""
-    hopper_min_tokens_compressed: int = 0
-    """The same for the compressed branch: M7C 1.04x at 2k x 16, 1.11x at 8k and 16k, 1.14x at 64k; paper 1.11-1.22x."""
     hopper_stages: int = 3
     """Key/value tiles in flight in its shared-memory ring. Measured on H100, dense causal M7C forward (w = T):
     339 / 379 TFLOP/s at 2k x 16 / 64k with 3 stages, 344 / 396 with 4, Triton's kernel 282 / 380; on NSA's own
