@@ -233,6 +233,14 @@ def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     return mode != 2 or sel_block % _config(q.shape[-1])["BLOCK_N"] == 0
 
 
+def _config(d: int) -> dict:
+    """Rows ((token, head) pairs) and keys per step, stages of the key/value ring, warps."""
+    if d <= 64:  # a warp per 16 rows: 128 rows on 4 warps spill (compiled for sm_90), on 8 they need ~140 registers
+        rows = TUNING.hopper_block_m
+        return dict(BLOCK_M=rows, BLOCK_N=64, STAGES=TUNING.hopper_stages, num_warps=max(4, rows // 16))
+    return dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)
+
+
 @functools.lru_cache(maxsize=None)
 def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
