@@ -38,6 +38,19 @@ def test_ncu_rows_skip_the_units_line_and_stalls_read_as_percent(tmp_path):
     assert pipes.value(rows[0], "not_a_metric") == ""
 
 
+def _assert_built(check: str, cases: int) -> None:
+    """Run `check` (a script printing one report line per compiled case: `... True registers ...`) in a fresh
+    interpreter without TRITON_INTERPRET (the compile needs the real backend) and assert each case built for sm_90
+    with its expected instructions and no local-memory traffic."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=BENCH.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().split("\n")
+    assert len(lines) == cases and all(" True registers " in line for line in lines), out.stdout
+    assert all(" spill stack 0 B " in line for line in lines), out.stdout
+
+
 def test_hopper_forward_builds_for_every_branch_and_head_dim():
     check = (
         "import sys; sys.path.insert(0, 'benchmarks'); import torch\n"
@@ -54,13 +67,7 @@ def test_hopper_forward_builds_for_every_branch_and_head_dim():
         "    ptx = c.asm['ptx']\n"
         "    print(D, mode, 'wgmma.mma_async' in ptx and 'cp.async.bulk.tensor' in ptx, report(c))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=BENCH.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().split("\n")
-    assert len(lines) == 4 and all(" True registers " in line for line in lines), out.stdout
-    assert all(" spill stack 0 B " in line for line in lines), out.stdout  # no local-memory traffic in the loop
+    _assert_built(check, 4)
 
 
 def test_hopper_dkdv_builds_for_every_branch_and_head_dim():
@@ -79,13 +86,7 @@ def test_hopper_dkdv_builds_for_every_branch_and_head_dim():
         "    ptx = c.asm['ptx']\n"
         "    print(D, mode, 'wgmma.mma_async' in ptx and 'cp.async.cg' in ptx, report(c))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=BENCH.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().split("\n")
-    assert len(lines) == 4 and all(" True registers " in line for line in lines), out.stdout
-    assert all(" spill stack 0 B " in line for line in lines), out.stdout
+    _assert_built(check, 4)
 
 
 def test_hopper_query_grad_builds_for_each_selected_share():
@@ -105,10 +106,4 @@ def test_hopper_query_grad_builds_for_each_selected_share():
         "    ptx = c.asm['ptx']\n"
         "    print(D, sel, 'wgmma.mma_async' in ptx and 'cp.async.bulk.tensor' in ptx, report(c))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=BENCH.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().split("\n")
-    assert len(lines) == 4 and all(" True registers " in line for line in lines), out.stdout
-    assert all(" spill stack 0 B " in line for line in lines), out.stdout
+    _assert_built(check, 4)

@@ -53,6 +53,21 @@ def test_bf16_kernels_match_the_float32_reference(name, T):
         assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
 
 
+def branch_inputs(name, T, mode):
+    """(q, k, v, chosen bits or None, gates) of one range branch on two sequences of bf16 inputs, the raw keys and
+    values as the model hands them over: views into one wider projection."""
+    from nsa.ops.triton import range_attention as ra
+
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = bf16_inputs(2, T, name, seed=T + mode, requires_grad=False)
+    k_sel, v_sel, k_win, v_win = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)
+    k, v = [(k_cmp, v_cmp), (k_win, v_win), (k_sel, v_sel)][mode]
+    bits = None
+    if mode == ra.MODE_SEL:
+        idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
+        bits = ra.chosen_bits(idx, -(-T // HP["sel_block"]))
+    return q, k, v, bits, gates
+
+
 @pytest.mark.parametrize("name,T", [("m7c", 2081), ("m7c", 700), ("paper", 2048)])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_hopper_forward_matches_the_triton_kernel(name, T, mode, monkeypatch):
@@ -63,15 +78,7 @@ def test_hopper_forward_matches_the_triton_kernel(name, T, mode, monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is built for sm_90")
-    ins = bf16_inputs(2, T, name, seed=T + mode, requires_grad=False)
-    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = ins
-    # The raw keys and values as the model hands them over: views into one wider projection.
-    k_sel, v_sel, k_win, v_win = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)
-    k, v = [(k_cmp, v_cmp), (k_win, v_win), (k_sel, v_sel)][mode]
-    bits = None
-    if mode == ra.MODE_SEL:
-        idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
-        bits = ra.chosen_bits(idx, -(-T // HP["sel_block"]))
+    q, k, v, bits, gates = branch_inputs(name, T, mode)
     o_cmp, o_win = torch.randn_like(q), torch.randn_like(q)
     gated = (o_cmp, o_win, gates) if mode == ra.MODE_SEL else None
     assert hopper_forward_supports(q, k, v, mode, HP["sel_block"])
@@ -101,13 +108,7 @@ def test_hopper_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon dK/dV kernel is built for sm_90")
-    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, _ = bf16_inputs(2, T, name, seed=T + mode, requires_grad=False)
-    k_sel, v_sel, k_win, v_win = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)
-    k, v = [(k_cmp, v_cmp), (k_win, v_win), (k_sel, v_sel)][mode]
-    bits = None
-    if mode == ra.MODE_SEL:
-        idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
-        bits = ra.chosen_bits(idx, -(-T // HP["sel_block"]))
+    q, k, v, bits, _ = branch_inputs(name, T, mode)
     scale = q.shape[-1] ** -0.5
     args = (mode, scale, 32, 16, HP["window"])
     o, lse = ra.range_attention_fwd(q, k, v, *args, bits, HP["sel_block"])
