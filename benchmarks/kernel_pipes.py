@@ -40,7 +40,7 @@ METRICS = {
     "st not sel": "smsp__average_warp_latency_issue_stalled_not_selected",
 }
 KERNELS = {
-    "nsa": "regex:_range_fwd_kernel|_range_bwd_dkdv_kernel|_query_grad_kernel",
+    "nsa": "regex:_range_fwd|_range_bwd_dkdv|_range_dkdv|_query_grad",  # Triton's kernels and the Gluon ones
     "cudnn": "regex:sdpa|cudnn",
     "flash": "regex:flash",
 }
