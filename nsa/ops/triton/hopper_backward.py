@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .hopper_forward import _DTYPES, _descriptor, gluon_layout_ok
+from .hopper_forward import _descriptor, gluon_layout_ok
 from .tuning import TUNING
 
 
