@@ -43,7 +43,7 @@ def calls(shape: str, T: int, batch: int, kernel: str) -> dict:
             mode, k, v, bits, sel_block = branches.get(name, branches["window"])
             o, lse = ra.range_attention_fwd(q, k, v, mode, scale, 32, 16, HP["window"], bits, sel_block)
             lse_g.append(lse)
-            delta.append((o.float() * o.float()).sum(-1))
+            delta.append((o.float() * o.float()).sum(-1))  # any finite delta: only the time is compared
         if "selected+gated" in branches:
             _, k, v, bits, sel_block = branches["selected+gated"]
             sel = qg.SelectedDQ(qg.SEL_TILED, k, v, bits, sel_block=sel_block)

@@ -138,16 +138,17 @@ def query_grad(q: torch.Tensor, do: torch.Tensor, lse_g: torch.Tensor, delta: to
     G = _groups(cmp, win, sel)
     h = H // G
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    kc, vc = cmp if cmp is not None else (q, q)
-    kw, vw = win if win is not None else (q, q)
-    ks, vs = (sel.k, sel.v) if sel.kind == SEL_TILED else (q, q)
-    choice = sel.choice if sel.choice is not None else q
     n = sel.choice.shape[-1] if sel.kind == SEL_PARTS else 1
     sel_kv = (sel.k, sel.v) if sel.kind == SEL_TILED else None
     if hopper_query_grad_supports(q, do, cmp, win, sel.kind, sel_kv, sel.sel_block):
         query_grad_hopper(q, do, dq, lse_g, delta, scale, block_len, block_stride, window, cmp, win, sel.kind, sel_kv,
                           sel.choice, sel.parts, sel.dq, n, sel.sel_block)
         return dq
+    # The Triton kernel takes every pointer: absent branches get q as a placeholder.
+    kc, vc = cmp if cmp is not None else (q, q)
+    kw, vw = win if win is not None else (q, q)
+    ks, vs = sel_kv if sel_kv is not None else (q, q)
+    choice = sel.choice if sel.choice is not None else q
     cfg = _blocks(q, Dk, Dv, "dq")
     if sel.kind == SEL_TILED and q.device.type == "cuda" and max(Dk, Dv) <= 64:
         cfg["BLOCK_N"] = TUNING.dq_block_n_tiled
