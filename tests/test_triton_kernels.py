@@ -37,11 +37,13 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["tiled", "gathered"])
+@pytest.fixture(params=["tiled", "gathered", "tiled forward"])
 def sel_path(request, monkeypatch):
-    """Run the selected branch tiled (short-T path) or gathered (per-token or block-centric, by group size)."""
+    """Run the selected branch tiled (short-T path), gathered (per-token or block-centric, by group size), or tiled
+    in the forward and gathered in the backward (the default between 32 and 64 blocks for small groups)."""
     for field in ("tiled_max_blocks", "tiled_max_blocks_large_groups"):
         monkeypatch.setattr(tuning.TUNING, field, 10**9 if request.param == "tiled" else 0)
+    monkeypatch.setattr(tuning.TUNING, "tiled_max_blocks_forward", 0 if request.param == "gathered" else 10**9)
     return request.param
 
 
@@ -52,6 +54,10 @@ def test_selected_path_is_tiled_while_blocks_are_few_then_by_group_size():
     few = min(tuning.TUNING.tiled_max_blocks_large_groups, 64)
     assert selected_path(few * 64, 16, 64) == TILED
     assert selected_path(few * 64 + 1, 16, 64) == TOKEN
+    # The forward stays tiled up to its own limit; the backward's path is unchanged.
+    few = min(max(tuning.TUNING.tiled_max_blocks, tuning.TUNING.tiled_max_blocks_forward), 64)
+    assert selected_path(few * 64, 6, 64, forward=True) == TILED
+    assert selected_path(few * 64 + 1, 6, 64, forward=True) == BLOCKS
 
 
 def test_chosen_bits_mark_exactly_the_chosen_blocks():

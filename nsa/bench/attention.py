@@ -247,7 +247,9 @@ SWEEP = {
     "row_block_m": [32, 128],
     "row_warps": [8],
     "inverse_chunk": [128, 512],
+    "gate_block_m+gate_warps": [(16, 4), (64, 4), (128, 4), (128, 8)],
     "tiled_max_blocks": [0, 64],
+    "tiled_max_blocks_forward": [0],
     "tiled_max_blocks_large_groups": [0, 32],
     "select_block_t": [8, 32],
 }

@@ -110,7 +110,7 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
     health_ms = _health_probe_ms(trainer)
     if profile_dir and info.is_main:
         # One training step's GPU kernels by total time.
-        profile_to_file(trainer.train_step, Path(profile_dir) / f"profile_{attention}_{seq_len}.txt")
+        profile_to_file(trainer.train_step, Path(profile_dir) / f"profile_{attention}_{seq_len}.txt", rows=250)
     trainer.data.train.close()
     step_s = all_reduce_mean(torch.tensor(statistics.median(times), device=info.device), info).item()
     peak_gb = torch.cuda.max_memory_allocated() / 2**30

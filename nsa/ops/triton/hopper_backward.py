@@ -110,7 +110,8 @@ def _sees(key, t, row_ok, MODE: gl.constexpr, NK, block_len, block_stride, windo
 @gluon.jit
 def _store_grad(OUT, acc, b, g, key0, NK, sb, st, sg, D: gl.constexpr, BLOCK_N: gl.constexpr,
                 ATOMIC: gl.constexpr, num_warps: gl.constexpr):
-    """dK or dV of the tile (float32): stored, or added with relaxed atomics where several splits share keys."""
+    """dK or dV of the tile: stored in OUT's type, or added (float32) with relaxed atomics where several splits
+    share keys."""
     out_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (D // 4), D // 4], [num_warps, 1], [1, 0])
     acc = gl.convert_layout(acc, out_l)
     key = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
@@ -120,7 +121,7 @@ def _store_grad(OUT, acc, b, g, key0, NK, sb, st, sg, D: gl.constexpr, BLOCK_N: 
     if ATOMIC:
         gl.atomic_add(ptr, acc, mask=ok, sem="relaxed")
     else:
-        gl.store(ptr, acc, mask=ok)
+        gl.store(ptr, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
 @gluon.jit

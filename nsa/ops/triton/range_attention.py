@@ -457,7 +457,8 @@ def _dkdv_splits(total_rows: int, key_tiles: int, programs: int, block_m: int, d
 
 def range_attention_dkdv(q, k, v, do, lse, delta, mode: int, scale: float, block_len: int, block_stride: int,
                          window: int, bits: torch.Tensor | None = None, sel_block: int = 0):
-    """(dK, dV) in float32 of one branch (its dQ is query_grad's).
+    """(dK, dV) of one branch (its dQ is query_grad's): float32 where programs split the rows (atomic sums),
+    else in k's type.
 
     do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
     gating.gate_grads (lse - ln(gate), rowsum(do * o_branch)).
@@ -480,9 +481,12 @@ def range_attention_dkdv(q, k, v, do, lse, delta, mode: int, scale: float, block
         splits, rows_per_split = 1, T * h
     else:
         splits, rows_per_split = _dkdv_splits(T * h, key_tiles, B * G, cfg["BLOCK_M"], q.device)
+    # Atomic sums need float32; a tile stored once is rounded to the inputs' type in the kernel (saving the
+    # conversion pass over dK and dV a float32 result would need).
     alloc = torch.zeros if splits > 1 else torch.empty
-    dk_out = alloc(k.shape, device=k.device, dtype=torch.float32)
-    dv_out = alloc(v.shape, device=v.device, dtype=torch.float32)
+    dtype = torch.float32 if splits > 1 else k.dtype
+    dk_out = alloc(k.shape, device=k.device, dtype=dtype)
+    dv_out = alloc(v.shape, device=v.device, dtype=dtype)
     if NK > 0 and hopper:
         range_attention_dkdv_hopper(q, k, v, do, lse, delta, dk_out, dv_out, mode, scale, block_len, block_stride,
                                     window, idx, idx_strides, sel, splits, rows_per_split)

@@ -2,7 +2,9 @@
 
 While a sequence has few selection blocks (`Tuning.tiled_max_blocks*`), most of each
 query's causal prefix is selected and the branch runs as range_attention's MODE_SEL:
-dense causal tiles masked by each query's choices. Beyond that:
+dense causal tiles masked by each query's choices. The forward stays tiled longer than the
+backward (`Tuning.tiled_max_blocks_forward`): both paths compute the same o_sel and lse, so
+a tiled forward can be followed by a block-centric backward. Beyond that:
 
 Query t attends to the tokens s <= t of its group's n selected blocks. Loading each
 query's blocks separately (the paper's per-token gather) reads n * l' keys and values
@@ -376,11 +378,14 @@ def _row_launch(q: torch.Tensor) -> dict:
     return dict(BLOCK_M=TUNING.row_block_m, num_warps=TUNING.row_warps)
 
 
-def selected_path(seq_len: int, heads_per_group: int, sel_block: int) -> str:
+def selected_path(seq_len: int, heads_per_group: int, sel_block: int, forward: bool = False) -> str:
     """TILED while the sequence has few selection blocks; otherwise TOKEN (forward and dQ by per-query
-    gathers, h fills the matrix rows) for large groups, BLOCKS for small ones."""
+    gathers, h fills the matrix rows) for large groups, BLOCKS for small ones. `forward`: the path of the
+    forward, which may stay tiled where the backward's (the default) does not."""
     large = heads_per_group >= TUNING.token_min_heads
     most = TUNING.tiled_max_blocks_large_groups if large else TUNING.tiled_max_blocks
+    if forward:
+        most = max(most, TUNING.tiled_max_blocks_forward)
     if -(-seq_len // sel_block) <= min(most, 64):
         return TILED
     return TOKEN if large else BLOCKS
@@ -404,7 +409,7 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
-    path = selected_path(T, h, sel_block)
+    path = selected_path(T, h, sel_block, forward=True)
     if path == TILED:  # the tiled kernel writes the gated sum too
         bits = chosen_bits(indices, -(-T // sel_block))
         o_sel, lse_sel, o = range_attention_fwd(q, k, v, MODE_SEL, scale, 1, 1, 1, bits=bits, sel_block=sel_block,
@@ -439,7 +444,8 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
 
 
 def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, sel_block: int):
-    """(dK, dV) in float32 and the branch's share of dQ as query_grad takes it (SelectedDQ).
+    """(dK, dV) (float32, or k's type where range_attention_dkdv stores them once) and the branch's share of dQ as
+    query_grad takes it (SelectedDQ).
 
     do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
     gating.gate_grads (lse_sel - ln(gate), rowsum(do * o_sel)).

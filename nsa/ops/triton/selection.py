@@ -129,7 +129,10 @@ def _select_kernel(
     j_t = tok // sel_block
     t_first = pid_t * BLOCK_T
     t_last = tl.minimum(T - 1, t_first + BLOCK_T - 1)
-    n_chunks = (t_last // sel_block) // K + 1
+    # A tile whose tokens all have at most n candidate blocks chooses all of them: nothing to score (at 2k in
+    # M7C, half the tokens).
+    all_fit = t_last // sel_block < n_sel
+    n_chunks = tl.where(all_fit, 0, (t_last // sel_block) // K + 1)
     # Chunks whose compressed tokens the tile's first token (so every row) sees whole need no visibility mask.
     seen = tl.where(t_first >= block_len - 1, (t_first - block_len + 1) // block_stride + 1, 0)
     n_whole = tl.minimum(seen // chunk_tokens, n_chunks)
@@ -168,6 +171,7 @@ def _select_kernel(
     BIG: tl.constexpr = 2147483647
     chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG))  # ascending; padding sorts last
     chosen = tl.where(chosen == BIG, -1, chosen)
+    chosen = tl.where(all_fit, tl.where(jj[None, :] <= j_t[:, None], jj[None, :], -1), chosen)
     tl.store(IDX + b * sib + tok.to(tl.int64)[:, None] * sit + g * sig + jj[None, :], chosen,
              mask=(tok[:, None] < T) & (jj[None, :] < n_sel))
 

@@ -79,6 +79,10 @@ class Tuning:
     tiled_max_blocks_large_groups: int = 64
     """The same where the gathered path would be per-query (h >= token_min_heads; measured on H200, paper shape,
     16 sequences at 4k: tiled 1.08x faster)."""
+    tiled_max_blocks_forward: int = 64
+    """The selected forward runs tiled up to this many blocks (64 at most) even where the backward goes
+    block-centric: the tiled forward is faster there, its backward is not (measured on H100, M7C at 4k x 16, GPU
+    time: forward 2.10 ms tiled against 2.91 block-centric; dK/dV + dQ 3.85 against 2.63). 0 follows the backward."""
     select_block_t: int = 16
     """Tokens per program of the selection kernel."""
     select_warps: int = 4
@@ -102,6 +106,9 @@ class Tuning:
     row_block_m: int = 64
     """(token, head) rows per program of the selected branch's merge-and-gated-sum and dQ-reduction kernels."""
     row_warps: int = 4
+    gate_block_m: int = 32
+    """(token, head) rows per program of the gate-gradient kernel (gating.py)."""
+    gate_warps: int = 4
     inverse_chunk: int = 256
     """(query, slot) entries per work item of the block-centric selected-branch kernels (4 under the interpreter)."""
 
