@@ -91,6 +91,32 @@ def test_triton_nsa_matches_reference_forward_and_every_gradient(case, sel_path)
         torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
 
 
+def test_a_forward_without_gradients_skips_the_inverse_index_a_block_centric_backward_needs(monkeypatch):
+    # Between the two tiled limits the forward is tiled and the backward block-centric: the forward builds the
+    # backward's inverse index only when a backward can follow.
+    from nsa.ops.triton import attention
+
+    monkeypatch.setattr(tuning.TUNING, "tiled_max_blocks", 0)
+    monkeypatch.setattr(tuning.TUNING, "tiled_max_blocks_forward", 10**9)
+    built = []
+    original = attention.build_inverse_index
+    monkeypatch.setattr(attention, "build_inverse_index", lambda *a: built.append(1) or original(*a))
+    hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
+    ins = inputs(1, 37, 6, 2, 8, 8, block_len=8, block_stride=4, seed=5)
+    ref = nsa_attention(*ins, **hp, backend="reference")
+    with torch.no_grad():
+        out = nsa_attention(*[t.requires_grad_() for t in ins], **hp, backend="triton")
+    assert not built
+    torch.testing.assert_close(out, ref, **TOL)
+    out = nsa_attention(*ins, **hp, backend="triton")
+    assert built
+    torch.testing.assert_close(out, ref, **TOL)
+    do = torch.randn_like(out)
+    ref = nsa_attention(*ins, **hp, backend="reference")
+    for name, g, r in zip(NAMES, torch.autograd.grad(out, ins, do), torch.autograd.grad(ref, ins, do)):
+        torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
+
+
 def test_triton_nsa_in_half_precision(sel_path):
     hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
     ins = inputs(1, 33, 4, 2, 16, 16, block_len=8, block_stride=4, seed=1, dtype=torch.float16, requires_grad=True)

@@ -27,6 +27,14 @@ def _num_items(B: int, T: int, G: int, n: int, sel_block: int, device: torch.dev
     return (B * T * G * n) // chunk + B * G * (-(-T // sel_block))
 
 
+def _inverse_needed(T: int, h: int, sel_block: int, needs_grad: bool) -> bool:
+    """Whether the forward builds the inverse index: a block-centric selected forward reads it, and so does a
+    block-centric backward, which a tiled forward may precede (selected_path)."""
+    if selected_path(T, h, sel_block, forward=True) == BLOCKS:
+        return True
+    return needs_grad and selected_path(T, h, sel_block) == BLOCKS
+
+
 def _no_inverse(q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     empty = q.new_empty(0, dtype=torch.int32)
     return empty, empty.clone(), empty.clone(), empty.clone()
@@ -36,13 +44,14 @@ def _no_inverse(q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def nsa_forward(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
     gates: Tensor, block_len: int, block_stride: int, sel_block: int, n_sel: int, window: int, scale: float,
+    needs_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """o, then what backward needs: each branch's output and lse, the indices and their inverse index."""
+    """o, then what backward needs: each branch's output and lse, the indices and their inverse index (built where
+    a block-centric selected branch reads it: this forward, or with `needs_grad` the backward)."""
     T = q.shape[1]
     o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, scale, block_len, block_stride, window)
     indices = select_blocks_fwd(q, k_cmp, lse_cmp, scale, block_len, block_stride, sel_block, n_sel)
-    # Only the block-centric path needs the inverse index (and keeps it for backward).
-    blocks = selected_path(T, q.shape[2] // k_sel.shape[2], sel_block) == BLOCKS
+    blocks = _inverse_needed(T, q.shape[2] // k_sel.shape[2], sel_block, needs_grad)
     inverse = build_inverse_index(indices, T, sel_block) if blocks else _no_inverse(q)
     o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
     o, o_sel, lse_sel = selected_forward(q, k_sel, v_sel, indices, inverse, o_cmp, o_win, gates, scale, sel_block)
@@ -50,13 +59,14 @@ def nsa_forward(
 
 
 @nsa_forward.register_fake
-def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block, n_sel, window, scale):
+def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block, n_sel, window, scale,
+      needs_grad):
     B, T, H, _ = q.shape
     G, Dv = k_sel.shape[2], v_sel.shape[-1]
     o = q.new_empty(B, T, H, Dv)
     lse = q.new_empty(B, T, H, dtype=_F32)
     idx = q.new_empty(B, T, G, n_sel, dtype=torch.int64)
-    blocks = selected_path(T, H // G, sel_block) == BLOCKS
+    blocks = _inverse_needed(T, H // G, sel_block, needs_grad)
     item = q.new_empty(_num_items(B, T, G, n_sel, sel_block, q.device) if blocks else 0, dtype=torch.int32)
     entries = q.new_empty(B * G * T * n_sel if blocks else 0, dtype=torch.int32)
     return (o, torch.empty_like(o), lse, torch.empty_like(o), torch.empty_like(lse), torch.empty_like(o),
@@ -94,14 +104,14 @@ def _(do, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *rest):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block, _, window, scale = inputs
+    q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block, _, window, scale, _ = inputs
     ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *output[1:])
     ctx.hyper = (block_len, block_stride, sel_block, window, scale)
 
 
 def _backward(ctx, do, *_unused):
     grads = nsa_backward(do, *ctx.saved_tensors, *ctx.hyper)
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 nsa_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -116,7 +126,9 @@ def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, 
                          sel_block, n_sel, window, scale) -> Tensor:
     dtype = q.dtype
     args = [_last_dim_contiguous(t, dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)]
-    return nsa_forward(*args, block_len, block_stride, sel_block, n_sel, window, float(scale))[0]
+    # A forward with no backward to follow (inference, evaluation) skips what only the backward reads.
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args)
+    return nsa_forward(*args, block_len, block_stride, sel_block, n_sel, window, float(scale), needs_grad)[0]
 
 
 @torch.no_grad()
