@@ -73,6 +73,20 @@ KNOBS = {"fwd": ("hopper_forward", ("hopper_block_m", "hopper_stages")),
          "dkdv": ("hopper_backward", ("hopper_dkdv_block_m", "hopper_dkdv_block_n", "hopper_dkdv_stages"))}
 
 
+def _timed_with(variant: str, fn, graphs: bool) -> float:
+    """Median GPU ms of fn with the Tuning fields of `variant` ("field=int+field=int") set, then put back."""
+    settings = dict(item.split("=") for item in variant.split("+"))
+    base = {f: getattr(TUNING, f) for f in settings}
+    for f, x in settings.items():
+        setattr(TUNING, f, type(base[f])(int(x)))
+    try:
+        run = graphed(fn, graphs)
+        return statistics.median(time_cuda(run, queued=True) for _ in range(3))
+    finally:
+        for f, x in base.items():
+            setattr(TUNING, f, x)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", choices=sorted(KNOBS), default="fwd")
@@ -82,6 +96,8 @@ def main() -> None:
     p.add_argument("--graphs", action="store_true", help="time CUDA-graph replays (GPU time alone)")
     p.add_argument("--configs", default="", help="other Gluon settings also timed, e.g. 64:4,128:3 for fwd "
                                                  "(rows:stages) or 32:64:2 for dkdv (rows:keys:stages)")
+    p.add_argument("--variants", default="", help="other Tuning settings also timed (Gluon), ';' between variants, "
+                                                  "'+' between fields, e.g. hopper_forward_ws=1+hopper_stages=4")
     ns = p.parse_args()
     switch, fields = KNOBS[ns.kernel]
     rows = []
@@ -110,6 +126,8 @@ def main() -> None:
                 row[f"gluon {config}"] = statistics.median(time_cuda(run, queued=True) for _ in range(3))
                 for f, x in zip(fields, base):
                     setattr(TUNING, f, x)
+            for variant in filter(None, ns.variants.split(";")):
+                row[variant] = _timed_with(variant, fn, ns.graphs)
             rows.append(row)
             print(rows[-1], flush=True)
     print(format_table(rows, list(dict.fromkeys(k for r in rows for k in r))))

@@ -101,11 +101,13 @@ def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def compile_gluon(kernel, descriptors: dict, consts: dict, types: dict, warps: int, divisible: bool = False):
+def compile_gluon(kernel, descriptors: dict, consts: dict, types: dict, warps: int, divisible: bool = False,
+                  maxnreg: int | None = None):
     """A Gluon kernel compiled for sm_90: `descriptors` maps argument names to host TensorDescriptors (their
     types), `types` gives the other non-i32 arguments' types (e.g. "*bf16", "fp32"). With `divisible`, pointers
     and the integers in DIVISIBLE get the divisible-by-16 specialisation they get on the GPU at M7C's shapes (a
-    kernel whose 16-byte copies rely on it compiles only with it)."""
+    kernel whose 16-byte copies rely on it compiles only with it). `maxnreg` caps the registers per thread (a
+    warp-specialised kernel shares them out between its partitions)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
@@ -116,7 +118,8 @@ def compile_gluon(kernel, descriptors: dict, consts: dict, types: dict, warps: i
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if divisible and (sig[n].startswith("*") or n in DIVISIBLE)}
     src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items() if k in names}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    options = {"num_warps": warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def report(compiled) -> str:
