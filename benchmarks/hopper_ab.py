@@ -76,6 +76,9 @@ KNOBS = {"fwd": ("hopper_forward", ("hopper_block_m", "hopper_stages")),
 def _timed_with(variant: str, fn, graphs: bool) -> float:
     """Median GPU ms of fn with the Tuning fields of `variant` ("field=int+field=int") set, then put back."""
     settings = dict(item.split("=") for item in variant.split("+"))
+    unknown = [f for f in settings if not hasattr(TUNING, f)]
+    if unknown:
+        raise SystemExit(f"hopper_ab: {unknown} are not Tuning fields (see nsa/ops/triton/tuning.py)")
     base = {f: getattr(TUNING, f) for f in settings}
     for f, x in settings.items():
         setattr(TUNING, f, type(base[f])(int(x)))
@@ -97,7 +100,7 @@ def main() -> None:
     p.add_argument("--configs", default="", help="other Gluon settings also timed, e.g. 64:4,128:3 for fwd "
                                                  "(rows:stages) or 32:64:2 for dkdv (rows:keys:stages)")
     p.add_argument("--variants", default="", help="other Tuning settings also timed (Gluon), ';' between variants, "
-                                                  "'+' between fields, e.g. hopper_forward_ws=1+hopper_stages=4")
+                                                  "'+' between fields, e.g. hopper_block_m=128+hopper_stages=3")
     ns = p.parse_args()
     switch, fields = KNOBS[ns.kernel]
     rows = []
