@@ -73,9 +73,8 @@ KNOBS = {"fwd": ("hopper_forward", ("hopper_block_m", "hopper_stages")),
          "dkdv": ("hopper_backward", ("hopper_dkdv_block_m", "hopper_dkdv_block_n", "hopper_dkdv_stages"))}
 
 
-def _timed_with(variant: str, fn, graphs: bool) -> float:
-    """Median GPU ms of fn with the Tuning fields of `variant` ("field=int+field=int") set, then put back."""
-    settings = dict(item.split("=") for item in variant.split("+"))
+def _timed_with(settings: dict[str, str], fn, graphs: bool) -> float:
+    """Median GPU ms of fn (Gluon) with these Tuning fields set to these integers, then put back."""
     unknown = [f for f in settings if not hasattr(TUNING, f)]
     if unknown:
         raise SystemExit(f"hopper_ab: {unknown} are not Tuning fields (see nsa/ops/triton/tuning.py)")
@@ -122,15 +121,10 @@ def main() -> None:
             row = {"shape": shape, "T": T, "batch": batch, "branch": branch, "gluon_ms": gl_ms,
                    "triton_ms": tr_ms, "triton/gluon": tr_ms / gl_ms}
             for config in filter(None, ns.configs.split(",")):  # other tiles and stage counts, Gluon only
-                base = tuple(getattr(TUNING, f) for f in fields)
-                for f, x in zip(fields, config.split(":")):
-                    setattr(TUNING, f, int(x))
-                run = graphed(fn, ns.graphs)
-                row[f"gluon {config}"] = statistics.median(time_cuda(run, queued=True) for _ in range(3))
-                for f, x in zip(fields, base):
-                    setattr(TUNING, f, x)
+                row[f"gluon {config}"] = _timed_with(dict(zip(fields, config.split(":"))), fn, ns.graphs)
             for variant in filter(None, ns.variants.split(";")):
-                row[variant] = _timed_with(variant, fn, ns.graphs)
+                settings = dict(item.split("=") for item in variant.split("+"))
+                row[variant] = _timed_with(settings, fn, ns.graphs)
             rows.append(row)
             print(rows[-1], flush=True)
     print(format_table(rows, list(dict.fromkeys(k for r in rows for k in r))))

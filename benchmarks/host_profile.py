@@ -17,6 +17,14 @@ from nsa.bench.attention import HP, SHAPES, make_inputs
 from nsa.ops import nsa_attention
 
 
+def _host_ms(fn, calls: int) -> float:
+    """Host ms per call of `calls` back-to-back calls of fn (what the GPU still runs afterwards not counted)."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="m7c", choices=sorted(SHAPES))
@@ -38,9 +46,7 @@ def main() -> None:
             call(backward)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(ns.calls):
-            call(backward)
-        host = (time.perf_counter() - start) / ns.calls * 1e3
+        host = _host_ms(lambda: call(backward), ns.calls)
         torch.cuda.synchronize()
         gpu = (time.perf_counter() - start) / ns.calls * 1e3
         print(f"{'forward+backward' if backward else 'forward'}: {host:.3f} ms of host time per call, "
@@ -48,11 +54,8 @@ def main() -> None:
     # With the GPU held busy first, a call that waits for it somewhere (a host read of a device value) shows its
     # host time grown by the wait; CUDA's sync debug mode names such operations.
     torch.cuda._sleep(int(2e8))
-    start = time.perf_counter()
-    for _ in range(10):
-        call(True)
-    print(f"forward+backward behind a busy GPU: {(time.perf_counter() - start) / 10 * 1e3:.3f} ms of host time per call",
-          flush=True)
+    busy = _host_ms(lambda: call(True), 10)
+    print(f"forward+backward behind a busy GPU: {busy:.3f} ms of host time per call", flush=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     call(True)
