@@ -1,8 +1,9 @@
 """The Gluon range kernels (nsa/ops/triton/hopper_forward.py, hopper_backward.py) against the Triton ones, branch by
 branch, GPU time per call (queued), the two alternating over several rounds on the same inputs; medians and their
-ratio. --kernel fwd times the forward, dkdv the dK/dV kernel, dq the dQ kernel (all branches in one call). --graphs times CUDA-graph replays: the GPU's time
-alone, without the host's launches (a Gluon launch builds its TMA descriptors on the host, which dominates calls of
-~0.1 ms when they are timed back to back).
+ratio. --kernel fwd times the forward, dkdv the dK/dV kernel, dq the dQ kernel (all branches in one call), selbwd the
+selected backward beyond the tiled lengths (hopper_selected_backward.py; its tiles are dkdv's). --graphs times
+CUDA-graph replays: the GPU's time alone, without the host's launches (a Gluon launch builds its TMA descriptors on
+the host, which dominates calls of ~0.1 ms when they are timed back to back).
 
     bash -c 'source benchmarks/gpu_env.sh; python3 benchmarks/hopper_ab.py --kernel dkdv [--cases m7c:2048x16,...]'
 """
@@ -33,9 +34,19 @@ def calls(shape: str, T: int, batch: int, kernel: str) -> dict:
     scale = Dk**-0.5
     branches = {"compressed": (ra.MODE_CMP, k_cmp, v_cmp, None, 0), "window": (ra.MODE_WIN, k_win, v_win, None, 0)}
     blocks = -(-T // HP["sel_block"])
+    idx = select_blocks(q, k_cmp, **{k: HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel")})
     if blocks <= 64:
-        idx = select_blocks(q, k_cmp, **{k: HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel")})
         branches["selected+gated"] = (ra.MODE_SEL, k_sel, v_sel, ra.chosen_bits(idx, blocks), HP["sel_block"])
+    if kernel == "selbwd":  # the block-centric (or, for large groups, per-query) selected backward, where it runs
+        from nsa.ops.triton import selected_attention as sa
+
+        inverse = sa.build_inverse_index(idx, T, HP["sel_block"])
+        _, o_sel, lse = sa.selected_forward(q, k_sel, v_sel, idx, inverse, torch.randn_like(q), torch.randn_like(q),
+                                            gates, scale, HP["sel_block"])
+        do = torch.randn_like(o_sel)
+        delta = (do.float() * o_sel.float()).sum(-1)
+        return {"selected backward": lambda: sa.selected_backward(q, k_sel, v_sel, idx, inverse, do, lse, delta,
+                                                                  scale, HP["sel_block"])}
     if kernel == "dq":  # all branches in one call; the selected one tiled where it fits, else left out
         sel = qg.SelectedDQ(qg.SEL_NONE)
         lse_g, delta = [], []
@@ -70,7 +81,8 @@ def calls(shape: str, T: int, batch: int, kernel: str) -> dict:
 # Per kernel: the switch, and the Tuning fields a --configs entry sets (colon-separated, in this order).
 KNOBS = {"fwd": ("hopper_forward", ("hopper_block_m", "hopper_stages")),
          "dq": ("hopper_query_grad", ("hopper_dq_block_m", "hopper_dq_stages")),
-         "dkdv": ("hopper_backward", ("hopper_dkdv_block_m", "hopper_dkdv_block_n", "hopper_dkdv_stages"))}
+         "dkdv": ("hopper_backward", ("hopper_dkdv_block_m", "hopper_dkdv_block_n", "hopper_dkdv_stages")),
+         "selbwd": ("hopper_selected_backward", ("hopper_dkdv_block_m", "hopper_dkdv_block_n", "hopper_dkdv_stages"))}
 
 
 def _timed_with(settings: dict[str, str], fn, graphs: bool) -> float:

@@ -37,7 +37,8 @@ DIVISIBLE = {
 } - {"sgt", "sgh", "sgc"}
 # kernel: (function, constexprs, pointer types, float scalars); every other argument is an i32 scalar.
 KERNELS = {
-    "select": (selection._select_kernel, dict(DK=64, BLOCK_DK=64, BLOCK_T=16, HP=8, K=16, C=64, R=0, TRANS=True, EXACT=True),
+    "select": (selection._select_kernel,
+               dict(DK=64, BLOCK_DK=64, BLOCK_T=16, HA=4, HB=2, K=16, C=64, R=4, TRANS=True, EXACT=True),
                dict(Q=BF16, KC=BF16, LSE=F32, IDX=I64), ("scale_log2",)),
     "sel_fwd_partial": (selected_attention._sel_fwd_partial_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64, h=6, n=16,
                                                                         FULL=True),

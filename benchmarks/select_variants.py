@@ -27,9 +27,10 @@ VARIANTS = {
     "as shipped": [],
     "scores untransposed": [(TRANS, "trans = False")],
     "scores transposed": [(TRANS, "trans = True")],
-    "two-weight stencil, transposed": [("R = 0 if trans else stencil_rank(", "R = stencil_rank(")],
+    "overlap products (no two-weight stencil)": [("R = stencil_rank(block_len", "R = 0 * stencil_rank(block_len")],
     "no ranking (elementwise max)": [(MERGE, "return tl.maximum(best, tl.where(candidate, key, -1)), carry")],
     "chunk sort, no merge": [(MERGE, "return tl.maximum(best, tl.sort(tl.where(candidate, key, -1))), carry")],
+    "heads padded to a power of two (one set)": [("ha = 1 << (h.bit_length() - 1) if trans else hp", "ha = hp")],
     "no exp": [("tl.exp2(st)", "tl.maximum(st, 0.0)"), ("tl.exp2(s)", "tl.maximum(s, 0.0)")],
 }
 

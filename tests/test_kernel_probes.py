@@ -108,3 +108,24 @@ def test_hopper_query_grad_builds_for_each_selected_share():
         "    print(D, sel, 'wgmma.mma_async' in ptx and 'cp.async.bulk.tensor' in ptx, report(c))\n"
     )
     _assert_built(check, 4)
+
+
+def test_hopper_selected_backward_builds_with_and_without_dq_shares():
+    check = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import torch\n"
+        "from offline_compile import compile_gluon, report\n"
+        "from nsa.ops.triton import hopper_backward as hb, hopper_forward as hf, hopper_selected_backward as hs\n"
+        "for D, h, write_dq in ((64, 6, True), (64, 1, True), (128, 16, False)):\n"
+        "    cfg = hb.hopper_backward_config(D); warps = cfg.pop('num_warps')\n"
+        "    kv = torch.empty(1, 256, 2, D, dtype=torch.bfloat16)\n"
+        "    descs = {'k_desc': hf._descriptor(kv, cfg['BLOCK_N']), 'v_desc': hf._descriptor(kv, cfg['BLOCK_N'])}\n"
+        "    types = {n: '*fp32' for n in ('LSE', 'DELTA', 'DKo', 'DVo')}\n"
+        "    types |= {n: '*bf16' for n in ('Q', 'DO', 'DQPART')}\n"
+        "    types |= {n: '*i32' for n in ('ITEM_KEY', 'ITEM_START', 'ITEM_COUNT', 'ENTRIES')}\n"
+        "    types |= {'scale_log2': 'fp32', 'scale': 'fp32'}\n"
+        "    consts = dict(n=16, h=h, D=D, WRITE_DQ=write_dq, **cfg)\n"
+        "    c = compile_gluon(hs._sel_bwd_hopper, descs, consts, types, warps, divisible=True)\n"
+        "    ptx = c.asm['ptx']\n"
+        "    print(D, h, 'wgmma.mma_async' in ptx and 'cp.async.cg' in ptx, report(c))\n"
+    )
+    _assert_built(check, 3)

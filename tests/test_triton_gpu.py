@@ -124,6 +124,45 @@ def test_hopper_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
         assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("name,T", [("m7c", 4133), ("m7c", 700), ("paper", 4500), ("paper", 2048)])
+def test_hopper_selected_backward_matches_the_triton_kernel(name, T, monkeypatch):
+    # The Gluon block-centric selected backward (hopper_selected_backward.py) against the Triton kernel the CPU
+    # tests check: dK/dV and, at M7C's group of 6, the rows' dQ shares; two sequences, keys and values as views
+    # into one projection, a last partial block (700, 4133, 4500), short sequences forced off the tiled path.
+    from nsa.ops.triton import selected_attention as sa
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is built for sm_90")
+    monkeypatch.setattr(TUNING, "tiled_max_blocks", 0)
+    monkeypatch.setattr(TUNING, "tiled_max_blocks_large_groups", 0)
+    monkeypatch.setattr(TUNING, "tiled_max_blocks_forward", 0)
+    monkeypatch.setattr(TUNING, "hopper_selected_backward_min_elements", 0)
+    q, k_cmp, _, k_sel, v_sel, k_win, v_win, gates = bf16_inputs(2, T, name, seed=T, requires_grad=False)
+    k, v = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)[:2]
+    idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
+    inverse = sa.build_inverse_index(idx, T, HP["sel_block"])
+    scale = q.shape[-1] ** -0.5
+    _, o_sel, lse = sa.selected_forward(q, k, v, idx, inverse, torch.randn_like(q), torch.randn_like(q), gates,
+                                        scale, HP["sel_block"])
+    do = torch.randn_like(o_sel)
+    delta = (do.float() * o_sel.float()).sum(-1)
+    calls = []
+    original = sa.selected_backward_hopper
+    monkeypatch.setattr(sa, "selected_backward_hopper", lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
+    runs = {}
+    for gluon in (True, False):
+        monkeypatch.setattr(TUNING, "hopper_selected_backward", gluon)
+        runs[gluon] = sa.selected_backward(q, k, v, idx, inverse, do, lse, delta, scale, HP["sel_block"])
+    assert calls == [1], "the Gluon kernel did not run (or ran twice)"
+    (dk, dv, sel), (dk_t, dv_t, sel_t) = runs[True], runs[False]
+    for grad_name, a, b in (("dk", dk, dk_t), ("dv", dv, dv_t)):
+        assert torch.isfinite(a).all(), grad_name
+        assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
+    if sel.parts is not None:  # the dQ shares of every used (query, slot); unused slots are never written
+        used = (idx.permute(0, 2, 1, 3) >= 0).reshape(-1)
+        assert rel_err(sel.parts[used], sel_t.parts[used]) < 5e-3, rel_err(sel.parts[used], sel_t.parts[used])
+
+
 @pytest.mark.parametrize("name,T", [("m7c", 2081), ("m7c", 700), ("m7c", 4133), ("paper", 2048), ("paper", 4500)])
 def test_hopper_query_grad_matches_the_triton_kernel(name, T, monkeypatch):
     # The Gluon dQ kernel (hopper_query_grad.py) against the Triton one inside a whole backward: the selected

@@ -146,6 +146,10 @@ def test_triton_nsa_in_half_precision(sel_path):
         # into the next block, across chunks; then l = l', where a token's second half spills over
         (300, 6, 1, 8, 4, 16, 5),
         (200, 4, 2, 8, 4, 8, 4),
+        # Groups that are not a power of two: transposed, heads in two sets (3 = 2 + 1, 5 = 4 + 1, 7 = 4 + 3 padded)
+        (150, 3, 1, 8, 4, 16, 5),
+        (150, 10, 2, 8, 4, 16, 5),
+        (120, 7, 1, 8, 4, 8, 4),
     ],
 )
 @pytest.mark.parametrize("transposed", [True, False])

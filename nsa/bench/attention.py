@@ -225,6 +225,7 @@ SWEEP = {
     "hopper_block_m+hopper_stages": [(64, 4), (64, 2), (128, 3)],
     "hopper_backward": [False],  # the Triton dK/dV and dQ entries below matter on sm_90 only with these False
     "hopper_query_grad": [False],
+    "hopper_selected_backward": [False],
     "hopper_dkdv_stages": [2, 4],
     "hopper_dq_stages": [2, 4],
     "dq_block_m+dq_block_n+dq_warps": [(128, 64, 4), (64, 32, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8)],

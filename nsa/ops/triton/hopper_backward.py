@@ -31,6 +31,19 @@ from .hopper_forward import _descriptor, gluon_layout_ok
 from .tuning import TUNING
 
 
+@gluon.constexpr_function
+def wgmma_layout(num_warps, n):
+    """The layout of a wgmma result with n columns. In the transposed dK/dV products keys are its rows (a warp per
+    16 keys) and a step's (token, head) rows its columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def row_io_layout(num_warps, d):
+    """Row-major [rows, d] tiles in 16-byte pieces: the rows' copies into shared memory and the gradients' stores."""
+    return gl.BlockedLayout([1, 8], [32 // (d // 8), d // 8], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def _rows_seeing(k_first, NK, T, MODE: gl.constexpr, BLOCK_N: gl.constexpr, block_len, block_stride, window):
     """Tokens that see any key of the tile [t_lo, t_hi] and those that see all of them [f_lo, f_hi]
@@ -140,13 +153,10 @@ def _range_dkdv_hopper(
     g = pid_bg % G
     dtype: gl.constexpr = k_desc.dtype
 
-    # Transposed products: keys are the wgmma rows (a warp per 16 keys), the step's (token, head) rows its columns.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, D, 16])
+    st_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    io: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [num_warps, 1], [1, 0])
+    io: gl.constexpr = row_io_layout(num_warps, D)
     col: gl.constexpr = gl.SliceLayout(0, st_layout)
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 

@@ -20,7 +20,8 @@ values once and loop over the queries' (query, head) rows:
   add per element per item, only blocks chosen by more queries than one item holds
   have several) and writes each row's dQ contribution to a per-slot buffer, which
   query_grad sums while it computes the other branches' dQ. dQ thus needs no second
-  gather of the keys.
+  gather of the keys. On sm_90 GPUs, for calls large enough, this kernel runs as the
+  Gluon kernel of hopper_selected_backward.py (same contract, measured faster).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
+from .hopper_selected_backward import hopper_selected_backward_supports, selected_backward_hopper
 from .inverse_index import inverse_index
 from .query_grad import SEL_DENSE, SEL_PARTS, SEL_TILED, SelectedDQ
 from .range_attention import MODE_SEL, chosen_bits, range_attention_dkdv, range_attention_fwd
@@ -466,13 +468,15 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, s
     dk_out = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv_out = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
     dqpart = q if token else torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
-    grad_strides = (*_strides(q, k, v, do), *lse.stride()[:2])
-    _sel_bwd_kernel[(item_key.numel(),)](
-        q, k, v, do, lse, delta, dk_out, dv_out, dqpart, item_key, item_start, item_count, entries,
-        *grad_strides, *_strides(dk_out, dv_out),
-        T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block, WRITE_DQ=not token,
-        **head_dims(Dk, Dv), **_block_launch(sel_block), **_item_launch(q, Dv),
-    )
+    if hopper_selected_backward_supports(q, k, v, do, sel_block, write_dq=not token):
+        selected_backward_hopper(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, inverse, scale, n, not token)
+    else:
+        _sel_bwd_kernel[(item_key.numel(),)](
+            q, k, v, do, lse, delta, dk_out, dv_out, dqpart, item_key, item_start, item_count, entries,
+            *_strides(q, k, v, do), *lse.stride()[:2], *_strides(dk_out, dv_out),
+            T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block, WRITE_DQ=not token,
+            **head_dims(Dk, Dv), **_block_launch(sel_block), **_item_launch(q, Dv),
+        )
     if not token:
         return dk_out, dv_out, SelectedDQ(SEL_PARTS, choice=indices, parts=dqpart)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)

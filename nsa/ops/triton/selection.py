@@ -4,11 +4,11 @@ One program per (tile of BLOCK_T tokens, key/value group). It walks the selectio
 blocks in chunks of K, recomputing p_cmp = exp(q.k_cmp * scale - lse_cmp) for the
 compressed tokens that start inside the chunk, sums the group's heads, maps them to
 selection-block scores with the overlap weights, and merges the chunk into a running
-top-K list per token. No [T, Nc] or [T, Ns] matrix ever exists. The mapping is a small
-exact-fp32 matrix product with the overlap weights. Where the scores are untransposed
-(tiles of more than 128 rows: the paper; see _chunk_p) and l <= l' with l'/d a power of
-two, it is two weights per rank of a token in its block and a one-column shift
-(measured on H100 at 64k: paper 13.2 -> 11.2 ms).
+top-K list per token. No [T, Nc] or [T, Ns] matrix ever exists. Where l <= l' with l'/d a
+power of two (M7C's and the paper's 32/16/64), the mapping is two weights per rank of a
+token in its block and a one-column shift (measured on H100 at 64k: paper 13.2 -> 11.2 ms;
+M7C 2.37 -> 1.61 ms once a group's heads were split into power-of-two sets); otherwise it
+is a small exact-fp32 matrix product with the overlap weights.
 
 A compressed token starting in chunk c can reach into chunk c + 1 (it spans l
 tokens); that part is carried over. Ranking uses one int64 key per block:
@@ -44,10 +44,20 @@ def _merge_top(best, key):
 
 
 @triton.jit
-def _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_log2, block_len, block_stride,
-             DK: tl.constexpr, BLOCK_T: tl.constexpr, HP: tl.constexpr, C: tl.constexpr,
-             TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr):
-    """[BLOCK_T, C]: p_cmp summed over the group's heads, for the compressed tokens starting in chunk c.
+def _chunk_keys(kbase, skt, c, chunk_tokens, ci_local, dk, NC, DK: tl.constexpr):
+    """(k_cmp tile [C, BLOCK_DK], compressed token indices, which of them exist) of chunk c."""
+    ci = c * chunk_tokens + ci_local
+    ci_ok = (ci_local < chunk_tokens) & (ci < NC)
+    kc = tl.load(kbase + ci.to(tl.int64)[:, None] * skt + dk[None, :], mask=ci_ok[:, None] & (dk[None, :] < DK),
+                 other=0.0)
+    return kc, ci, ci_ok
+
+
+@triton.jit
+def _chunk_p(q, kc, ci, ci_ok, rt, lse2, scale_log2, block_len, block_stride, BLOCK_T: tl.constexpr,
+             HP: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_T, C]: p_cmp summed over HP heads of each token (rows of q, token-major), for the chunk's compressed
+    tokens kc.
 
     TRANS computes the scores transposed ([C, rows]): a token's HP heads are then neighbouring columns of the
     matrix product, which sum mostly within a thread; as rows they sit in HP lanes, three shuffle rounds per value
@@ -55,10 +65,6 @@ def _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_l
     product on 8 warps computes twice). Unmasked chunks are those every row of the tile sees whole; padded heads and
     rows past T have lse2 = +inf, so their p is 0 without a mask.
     """
-    ci = c * chunk_tokens + ci_local
-    ci_ok = (ci_local < chunk_tokens) & (ci < NC)
-    kc = tl.load(kbase + ci.to(tl.int64)[:, None] * skt + dk[None, :], mask=ci_ok[:, None] & (dk[None, :] < DK),
-                 other=0.0)
     if TRANS:
         st = tl.dot(kc, tl.trans(q)) * scale_log2 - lse2[None, :]
         if MASKED:
@@ -76,6 +82,37 @@ def _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_l
         elif not EXACT:
             s = tl.where(ci_ok[None, :], s, float("-inf"))
         return tl.sum(tl.reshape(tl.exp2(s), [BLOCK_T, HP, C]), axis=1)
+
+
+@triton.jit
+def _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2, block_len,
+             block_stride, DK: tl.constexpr, BLOCK_T: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
+             C: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_T, C]: p_cmp summed over the group's heads (the first HA, then HB more) for chunk c's tokens."""
+    kc, ci, ci_ok = _chunk_keys(kbase, skt, c, chunk_tokens, ci_local, dk, NC, DK)
+    p = _chunk_p(qa, kc, ci, ci_ok, rta, lse2a, scale_log2, block_len, block_stride, BLOCK_T, HA, C, TRANS, EXACT,
+                 MASKED)
+    if HB > 0:
+        p += _chunk_p(qb, kc, ci, ci_ok, rtb, lse2b, scale_log2, block_len, block_stride, BLOCK_T, HB, C, TRANS,
+                      EXACT, MASKED)
+    return p
+
+
+@triton.jit
+def _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, first: tl.constexpr, HP: tl.constexpr,
+               DK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(q rows, their tokens, lse in log2 units) of heads first .. first + HP - 1 of the group (heads >= h padded:
+    q 0, lse +inf) for the tile's BLOCK_T tokens, token-major."""
+    r = tl.arange(0, BLOCK_T * HP)
+    rt = pid_t * BLOCK_T + r // HP
+    rh = first + r % HP
+    row_ok = (rt < T) & (rh < h)
+    head = (g * h + tl.where(rh < h, rh, 0)).to(tl.int64)
+    rt64 = rt.to(tl.int64)
+    q = tl.load(Q + b * sqb + rt64[:, None] * sqt + head[:, None] * sqh + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
+    lse = tl.load(LSE + b * slb + rt64 * slt + head, mask=row_ok, other=float("inf"))
+    return q, rt, lse * 1.4426950408889634
 
 
 @triton.jit
@@ -105,7 +142,7 @@ def _select_kernel(
     Q, KC, LSE, IDX,
     sqb, sqt, sqh, skb, skt, skg, slb, slt, sib, sit, sig,
     T, NC, G, h, scale_log2, block_len, block_stride, sel_block, n_sel, chunk_tokens,
-    DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_T: tl.constexpr, HP: tl.constexpr,
+    DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_T: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
     K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -113,17 +150,12 @@ def _select_kernel(
     b = (pid_bg // G).to(tl.int64)
     g = pid_bg % G
     dk = tl.arange(0, BLOCK_DK)
-    # Rows: BLOCK_T tokens x HP (>= h, a power of two) heads, token-major, so heads sum by a reshape.
-    r = tl.arange(0, BLOCK_T * HP)
-    rt = pid_t * BLOCK_T + r // HP
-    rh = r % HP
-    row_ok = (rt < T) & (rh < h)
-    head = (g * h + tl.where(rh < h, rh, 0)).to(tl.int64)
-    rt64 = rt.to(tl.int64)
-    q = tl.load(Q + b * sqb + rt64[:, None] * sqt + head[:, None] * sqh + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < DK), other=0.0)
-    lse = tl.load(LSE + b * slb + rt64 * slt + head, mask=row_ok, other=float("inf"))
-    lse2 = lse * 1.4426950408889634
+    # Rows: BLOCK_T tokens x HA heads (powers of two, so heads sum by a reshape), then x HB more heads where h is
+    # not a power of two: at M7C's h = 6, 4 + 2 rows per token instead of 8 with 2 padded.
+    qa, rta, lse2a = _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, 0, HA, DK, BLOCK_T)
+    qb, rtb, lse2b = qa, rta, lse2a
+    if HB > 0:
+        qb, rtb, lse2b = _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, HA, HB, DK, BLOCK_T)
 
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     j_t = tok // sel_block
@@ -158,12 +190,12 @@ def _select_kernel(
     carry = tl.zeros([BLOCK_T, K], tl.float32)
     kbase = KC + b * skb + g * skg
     for c in range(0, n_whole):
-        p_tok = _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_log2, block_len,
-                         block_stride, DK, BLOCK_T, HP, C, TRANS, EXACT, False)
+        p_tok = _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
+                         block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, False)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
     for c in range(n_whole, n_chunks):
-        p_tok = _chunk_p(q, kbase, skt, c, chunk_tokens, ci_local, dk, rt, lse2, NC, scale_log2, block_len,
-                         block_stride, DK, BLOCK_T, HP, C, TRANS, EXACT, True)
+        p_tok = _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
+                         block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, True)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
 
     # `best` is sorted by key, descending: keep the first n_sel, then order them by block index.
@@ -199,9 +231,14 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
     block_t = TUNING.select_block_t if on_gpu else 16
     grid = (triton.cdiv(T, block_t), B * G)
     trans = block_t * hp <= TUNING.select_transposed_max_rows
-    # Transposed, Eq. 9 as products with the overlap weights beats the two-weight stencil, whose sums over a block's
-    # ranks then cross lanes (M7C at 64k on an H100: 2.71 against 3.07 ms).
-    R = 0 if trans else stencil_rank(block_len, block_stride, sel_block)
+    # Transposed, the heads split into a power of two and a padded rest (h = 6: 4 + 2); untransposed they stay one
+    # padded set (the paper's h = 16 is a power of two either way).
+    ha = 1 << (h.bit_length() - 1) if trans else hp
+    hb = triton.next_power_of_2(h - ha) if h > ha else 0
+    # With the heads split, the two-weight stencil is also the faster Eq. 9 transposed (M7C at 64k on an H100:
+    # 1.61 ms against 2.37 with the overlap products; with the heads padded to 8 it was the slower one, 3.07 against
+    # 2.71, its sums over a block's ranks crossing lanes).
+    R = stencil_rank(block_len, block_stride, sel_block)
     C = max(16, triton.next_power_of_2(chunk_tokens))
     _select_kernel[grid](
         q, k_cmp, lse_cmp, idx,
@@ -209,7 +246,7 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
         lse_cmp.stride(0), lse_cmp.stride(1), idx.stride(0), idx.stride(1), idx.stride(2),
         T, NC, G, h, scale * LOG2E, block_len, block_stride, sel_block, n_sel, chunk_tokens,
         DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
-        HP=hp, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens,
+        HA=ha, HB=hb, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens,
         num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
         num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
     )

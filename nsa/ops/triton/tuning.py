@@ -41,6 +41,15 @@ class Tuning:
     """Row steps in flight in its shared-memory ring (cp.async). GPU time on an H100, M7C at 2k x 16, 64 rows x
     64 keys: 3 stages 0.655 ms on the tiled selected branch, 2 stages 0.689, Triton 0.785; 32 rows or 128 keys were
     slower (benchmarks/hopper_ab.py --kernel dkdv --graphs)."""
+    hopper_selected_backward: bool = True
+    """On an sm_90 GPU, run the block-centric selected branch's dK/dV (and dQ shares) as the Gluon kernel of
+    hopper_selected_backward.py where it applies (its tiles: hopper_dkdv_*); False keeps Triton's kernel (the one
+    the CPU tests check)."""
+    hopper_selected_backward_min_elements: int = 1 << 24
+    """...from this many elements of q (B * T * H * Dk) on: below, a call is bound by the host, and a Gluon launch
+    costs more of it than Triton's (H100, M7C at 16k x 1, 12.6M elements, one run per call: 3.99 ms with it
+    against 3.48 without, where two identical settings differed by 0.3 ms, though its GPU time is 0.45 ms against
+    0.53; at 4k x 16, 50M elements, GPU time 1.53 ms against 1.78)."""
     hopper_query_grad: bool = True
     """On an sm_90 GPU, run query_grad's dQ kernel as the Gluon kernel of hopper_query_grad.py where it applies;
     False keeps Triton's kernel (the one the CPU tests check)."""
