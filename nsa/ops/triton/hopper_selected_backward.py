@@ -28,6 +28,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .common import LOG2E
 from .hopper_backward import (_store_grad, hopper_backward_config, hopper_backward_supports, row_io_layout,
                               wgmma_layout)
 from .hopper_forward import _descriptor
@@ -216,6 +217,6 @@ def selected_backward_hopper(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, in
         item_key, item_start, item_count, entries,
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
         dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-        T, G, -(-T // cfg["BLOCK_N"]), scale * 1.4426950408889634, scale, n=n, h=H // G, D=D,
+        T, G, -(-T // cfg["BLOCK_N"]), scale * LOG2E, scale, n=n, h=H // G, D=D,
         WRITE_DQ=write_dq, **cfg,
     )
