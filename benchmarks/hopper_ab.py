@@ -1,7 +1,9 @@
 """The Gluon range kernels (nsa/ops/triton/hopper_forward.py, hopper_backward.py) against the Triton ones, branch by
 branch, GPU time per call (queued), the two alternating over several rounds on the same inputs; medians and their
 ratio. --kernel fwd times the forward, dkdv the dK/dV kernel, dq the dQ kernel (all branches in one call), selbwd the
-selected backward beyond the tiled lengths (hopper_selected_backward.py; its tiles are dkdv's). --graphs times
+selected backward beyond the tiled lengths (hopper_selected_backward.py; its tiles are dkdv's), selfwd the
+block-centric selected forward with its merge (hopper_selected_forward.py; M7C beyond 64 blocks, e.g.
+--cases m7c:8192x4,m7c:65536x1). --graphs times
 CUDA-graph replays: the GPU's time alone, without the host's launches (a Gluon launch builds its TMA descriptors on
 the host, which dominates calls of ~0.1 ms when they are timed back to back).
 
@@ -37,6 +39,13 @@ def calls(shape: str, T: int, batch: int, kernel: str) -> dict:
     idx = select_blocks(q, k_cmp, **{k: HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel")})
     if blocks <= 64:
         branches["selected+gated"] = (ra.MODE_SEL, k_sel, v_sel, ra.chosen_bits(idx, blocks), HP["sel_block"])
+    if kernel == "selfwd":  # the block-centric selected forward and its merge, beyond the tiled lengths (M7C)
+        from nsa.ops.triton import selected_attention as sa
+
+        inverse = sa.build_inverse_index(idx, T, HP["sel_block"])
+        o_cmp, o_win = torch.randn_like(q), torch.randn_like(q)
+        return {"selected forward": lambda: sa.selected_forward(q, k_sel, v_sel, idx, inverse, o_cmp, o_win, gates,
+                                                                scale, HP["sel_block"])}
     if kernel == "selbwd":  # the block-centric (or, for large groups, per-query) selected backward, where it runs
         from nsa.ops.triton import selected_attention as sa
 
@@ -82,7 +91,8 @@ def calls(shape: str, T: int, batch: int, kernel: str) -> dict:
 KNOBS = {"fwd": ("hopper_forward", ("hopper_block_m", "hopper_stages")),
          "dq": ("hopper_query_grad", ("hopper_dq_block_m", "hopper_dq_stages")),
          "dkdv": ("hopper_backward", ("hopper_dkdv_block_m", "hopper_dkdv_block_n", "hopper_dkdv_stages")),
-         "selbwd": ("hopper_selected_backward", ("hopper_dkdv_block_m", "hopper_dkdv_block_n", "hopper_dkdv_stages"))}
+         "selbwd": ("hopper_selected_backward", ("hopper_dkdv_block_m", "hopper_dkdv_block_n", "hopper_dkdv_stages")),
+         "selfwd": ("hopper_selected_forward", ("hopper_selected_forward_stages",))}
 
 
 def _timed_with(settings: dict[str, str], fn, graphs: bool) -> float:

@@ -129,3 +129,22 @@ def test_hopper_selected_backward_builds_with_and_without_dq_shares():
         "    print(D, h, 'wgmma.mma_async' in ptx and 'cp.async.cg' in ptx, report(c))\n"
     )
     _assert_built(check, 3)
+
+
+def test_hopper_selected_forward_builds_for_both_head_dims():
+    check = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import torch\n"
+        "from offline_compile import compile_gluon, report\n"
+        "from nsa.ops.triton import hopper_forward as hf, hopper_selected_forward as hs\n"
+        "for D, h in ((64, 6), (64, 1), (128, 4)):\n"
+        "    cfg = hs.hopper_selected_forward_config(D); warps = cfg.pop('num_warps')\n"
+        "    kv = torch.empty(1, 256, 2, D, dtype=torch.bfloat16)\n"
+        "    descs = {'k_desc': hf._descriptor(kv, cfg['BLOCK_N']), 'v_desc': hf._descriptor(kv, cfg['BLOCK_N'])}\n"
+        "    types = {'Q': '*bf16', 'OPART': '*bf16', 'LSEPART': '*fp32', 'scale_log2': 'fp32'}\n"
+        "    types |= {n: '*i32' for n in ('ITEM_KEY', 'ITEM_START', 'ITEM_COUNT', 'ENTRIES')}\n"
+        "    consts = dict(n=16, h=h, D=D, **cfg)\n"
+        "    c = compile_gluon(hs._sel_fwd_hopper, descs, consts, types, warps, divisible=True)\n"
+        "    ptx = c.asm['ptx']\n"
+        "    print(D, h, 'wgmma.mma_async' in ptx and 'cp.async.cg' in ptx, report(c))\n"
+    )
+    _assert_built(check, 3)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 HP = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
 SELECT_HP = {k: HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel")}
 # name: (H, G, Dk, Dv)
-SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128), "dk192": (16, 1, 192, 128)}
+SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128), "dk192": (16, 1, 192, 128), "d128": (8, 2, 128, 128)}
 
 
 def rel_err(a, b):
@@ -122,6 +122,40 @@ def test_hopper_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
     for grad_name, a, b in zip(("dk", "dv"), hopper, triton_):
         assert torch.isfinite(a).all(), grad_name
         assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("name,T", [("m7c", 4133), ("m7c", 700), ("m7c", 129), ("d128", 2500), ("paper", 4500)])
+def test_hopper_selected_forward_matches_the_triton_kernel(name, T, monkeypatch):
+    # The Gluon block-centric selected forward (hopper_selected_forward.py) against the Triton kernel the CPU tests
+    # check, through the finalize merge: o_sel, its lse and the gated sum; M7C's group of 6 and a group of 4 at head
+    # dim 128, two sequences, keys and values as views into one projection, a last partial block, short sequences
+    # forced off the tiled path. The paper shape's 16 heads a group go block-centric only with the Gluon kernel
+    # (and token_min_heads_forward above 16): there it is checked against the per-query Triton kernel.
+    from nsa.ops.triton import selected_attention as sa
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is built for sm_90")
+    monkeypatch.setattr(TUNING, "tiled_max_blocks", 0)
+    monkeypatch.setattr(TUNING, "tiled_max_blocks_forward", 0)
+    monkeypatch.setattr(TUNING, "hopper_selected_forward_min_elements", 0)
+    monkeypatch.setattr(TUNING, "token_min_heads_forward", 32)  # the paper shape's groups of 16 block-centric too
+    q, k_cmp, _, k_sel, v_sel, k_win, v_win, gates = bf16_inputs(2, T, name, seed=T, requires_grad=False)
+    k, v = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)[:2]
+    idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
+    inverse = sa.build_inverse_index(idx, T, HP["sel_block"])
+    o_cmp, o_win = torch.randn_like(q), torch.randn_like(q)
+    calls = []
+    original = sa.selected_forward_hopper
+    monkeypatch.setattr(sa, "selected_forward_hopper", lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
+    runs = {}
+    for gluon in (True, False):
+        monkeypatch.setattr(TUNING, "hopper_selected_forward", gluon)
+        runs[gluon] = sa.selected_forward(q, k, v, idx, inverse, o_cmp, o_win, gates, q.shape[-1] ** -0.5,
+                                          HP["sel_block"])
+    assert calls == [1], "the Gluon kernel did not run (or ran twice)"
+    for name, a, b in zip(("o", "o_sel", "lse_sel"), runs[True], runs[False]):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, b) < 5e-3, (name, rel_err(a, b))
 
 
 @pytest.mark.parametrize("name,T", [("m7c", 4133), ("m7c", 700), ("paper", 4500), ("paper", 2048)])

@@ -226,6 +226,8 @@ SWEEP = {
     "hopper_backward": [False],  # the Triton dK/dV and dQ entries below matter on sm_90 only with these False
     "hopper_query_grad": [False],
     "hopper_selected_backward": [False],
+    "hopper_selected_forward": [False],
+    "hopper_selected_forward_stages": [2, 4],
     "hopper_dkdv_stages": [2, 4],
     "hopper_dq_stages": [2, 4],
     "dq_block_m+dq_block_n+dq_warps": [(128, 64, 4), (64, 32, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8)],
@@ -253,6 +255,7 @@ SWEEP = {
     "tiled_max_blocks_forward": [0],
     "tiled_max_blocks_large_groups": [0, 32],
     "select_block_t": [8, 32],
+    "token_min_heads_forward": [17],
 }
 """Values tried for each launch parameter, or for several at once (names joined by '+', value tuples); the
 defaults are measured too."""

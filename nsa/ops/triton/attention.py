@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .gating import gate_grads
+from .hopper_selected_forward import hopper_selected_forward_eligible
 from .query_grad import query_grad
 from .range_attention import MODE_CMP, MODE_WIN, range_attention_dkdv, range_attention_fwd
 from .selected_attention import BLOCKS, build_inverse_index, selected_backward, selected_forward, selected_path
@@ -27,10 +28,12 @@ def _num_items(B: int, T: int, G: int, n: int, sel_block: int, device: torch.dev
     return (B * T * G * n) // chunk + B * G * (-(-T // sel_block))
 
 
-def _inverse_needed(T: int, h: int, sel_block: int, needs_grad: bool) -> bool:
+def _inverse_needed(q: Tensor, k: Tensor, v: Tensor, sel_block: int, needs_grad: bool) -> bool:
     """Whether the forward builds the inverse index: a block-centric selected forward reads it, and so does a
-    block-centric backward, which a tiled forward may precede (selected_path)."""
-    if selected_path(T, h, sel_block, forward=True) == BLOCKS:
+    block-centric backward, which a tiled forward may precede (selected_path). From metadata alone: the fake
+    implementation decides it too."""
+    T, h = q.shape[1], q.shape[2] // k.shape[2]
+    if selected_path(T, h, sel_block, True, hopper_selected_forward_eligible(q, k, v, sel_block)) == BLOCKS:
         return True
     return needs_grad and selected_path(T, h, sel_block) == BLOCKS
 
@@ -51,7 +54,7 @@ def nsa_forward(
     T = q.shape[1]
     o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, scale, block_len, block_stride, window)
     indices = select_blocks_fwd(q, k_cmp, lse_cmp, scale, block_len, block_stride, sel_block, n_sel)
-    blocks = _inverse_needed(T, q.shape[2] // k_sel.shape[2], sel_block, needs_grad)
+    blocks = _inverse_needed(q, k_sel, v_sel, sel_block, needs_grad)
     inverse = build_inverse_index(indices, T, sel_block) if blocks else _no_inverse(q)
     o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
     o, o_sel, lse_sel = selected_forward(q, k_sel, v_sel, indices, inverse, o_cmp, o_win, gates, scale, sel_block)
@@ -66,7 +69,7 @@ def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_strid
     o = q.new_empty(B, T, H, Dv)
     lse = q.new_empty(B, T, H, dtype=_F32)
     idx = q.new_empty(B, T, G, n_sel, dtype=torch.int64)
-    blocks = _inverse_needed(T, H // G, sel_block, needs_grad)
+    blocks = _inverse_needed(q, k_sel, v_sel, sel_block, needs_grad)
     item = q.new_empty(_num_items(B, T, G, n_sel, sel_block, q.device) if blocks else 0, dtype=torch.int32)
     entries = q.new_empty(B * G * T * n_sel if blocks else 0, dtype=torch.int32)
     return (o, torch.empty_like(o), lse, torch.empty_like(o), torch.empty_like(lse), torch.empty_like(o),

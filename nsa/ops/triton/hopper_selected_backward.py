@@ -36,6 +36,33 @@ from .tuning import TUNING
 
 
 @gluon.jit
+def _item_block(ITEM_KEY, ITEM_START, item, NS, G):
+    """(first entry, block j, b * G + g, b (32-bit, for TMA coordinates), b (64-bit, for pointers), g) of an item."""
+    key_id = gl.load(ITEM_KEY + item)  # (b * G + g) * NS + j
+    bg = key_id // NS
+    b32 = bg // G
+    return gl.load(ITEM_START + item), key_id % NS, bg, b32, b32.to(gl.int64), bg % G
+
+
+@gluon.jit
+def _masked_rows(ENTRIES, start, count, bg, T, k_first, n: gl.constexpr, h: gl.constexpr, BLOCK_N: gl.constexpr,
+                 layout: gl.constexpr):
+    """The item's rows before which the causal mask applies: those of its queries inside the block (fewer than
+    BLOCK_N of them, first in the entries, which are sorted by query); every later row sees the whole block."""
+    e = gl.arange(0, BLOCK_N, layout=layout)
+    t_first = gl.load(ENTRIES + start + e, mask=e < count, other=0) // n - bg * T
+    return gl.sum(((e < count) & (t_first < k_first + BLOCK_N - 1)).to(gl.int32), 0) * h
+
+
+@gluon.jit
+def _load_block(k_desc, v_desc, bar, k_smem, v_smem, row, col):
+    """The item's key and value block by TMA, arriving on bar."""
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_smem)
+
+
+@gluon.jit
 def _step_entries(ENTRIES, start, r0, rows, h: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
     """(row ok, flat entry f) of the item's rows [r0, r0 + BLOCK_M); rows are (entry, head), entry-major."""
     r = r0 + gl.arange(0, BLOCK_M, layout=layout)
@@ -77,13 +104,7 @@ def _sel_bwd_hopper(
     item = gl.program_id(0)
     count = gl.load(ITEM_COUNT + item)
     if count > 0:
-        key_id = gl.load(ITEM_KEY + item)  # (b * G + g) * NS + j
-        start = gl.load(ITEM_START + item)
-        j = key_id % NS
-        bg = key_id // NS
-        b32 = bg // G  # TMA coordinates are 32-bit; pointer offsets use b, 64-bit
-        b = b32.to(gl.int64)
-        g = bg % G
+        start, j, bg, b32, b, g = _item_block(ITEM_KEY, ITEM_START, item, NS, G)
         dtype: gl.constexpr = k_desc.dtype
 
         st_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)  # keys x rows, as hopper_backward's
@@ -97,12 +118,8 @@ def _sel_bwd_hopper(
         k_first = j * BLOCK_N
         rows = count * h
         n_steps = gl.cdiv(rows, BLOCK_M)
-        # Steps before `split` hold queries inside the block (fewer than BLOCK_N of them, first in the entries): the
-        # causal mask applies there, and on a last partial step; every other row sees the whole block.
-        e = gl.arange(0, BLOCK_N, layout=vec)
-        t_first = gl.load(ENTRIES + start + e, mask=e < count, other=0) // n - bg * T
-        inside = gl.sum(((e < count) & (t_first < k_first + BLOCK_N - 1)).to(gl.int32), 0)
-        split = inside * h
+        # The causal mask applies to the rows before `split` and on a last partial step.
+        split = _masked_rows(ENTRIES, start, count, bg, T, k_first, n, h, BLOCK_N, vec)
         full_end = (rows // BLOCK_M) * BLOCK_M
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
@@ -119,9 +136,7 @@ def _sel_bwd_hopper(
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b32 * T + k_first, g * D], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [b32 * T + k_first, g * D], kv_bar, v_smem)
+        _load_block(k_desc, v_desc, kv_bar, k_smem, v_smem, b32 * T + k_first, g * D)
         for i in gl.static_range(STAGES - 1):
             if i < n_steps:
                 f_ok, f = _step_entries(ENTRIES, start, i * BLOCK_M, rows, h, BLOCK_M, io_row)

@@ -20,8 +20,10 @@ values once and loop over the queries' (query, head) rows:
   add per element per item, only blocks chosen by more queries than one item holds
   have several) and writes each row's dQ contribution to a per-slot buffer, which
   query_grad sums while it computes the other branches' dQ. dQ thus needs no second
-  gather of the keys. On sm_90 GPUs, for calls large enough, this kernel runs as the
-  Gluon kernel of hopper_selected_backward.py (same contract, measured faster).
+  gather of the keys.
+
+On sm_90 GPUs, for calls large enough, both block-centric kernels run as Gluon kernels
+(hopper_selected_forward.py, hopper_selected_backward.py: same contracts).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import triton.language as tl
 
 from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
 from .hopper_selected_backward import hopper_selected_backward_supports, selected_backward_hopper
+from .hopper_selected_forward import (hopper_selected_forward_eligible, hopper_selected_forward_supports,
+                                      selected_forward_hopper)
 from .inverse_index import inverse_index
 from .query_grad import SEL_DENSE, SEL_PARTS, SEL_TILED, SelectedDQ
 from .range_attention import MODE_SEL, chosen_bits, range_attention_dkdv, range_attention_fwd
@@ -380,16 +384,21 @@ def _row_launch(q: torch.Tensor) -> dict:
     return dict(BLOCK_M=TUNING.row_block_m, num_warps=TUNING.row_warps)
 
 
-def selected_path(seq_len: int, heads_per_group: int, sel_block: int, forward: bool = False) -> str:
+def selected_path(seq_len: int, heads_per_group: int, sel_block: int, forward: bool = False,
+                  gluon_forward: bool = False) -> str:
     """TILED while the sequence has few selection blocks; otherwise TOKEN (forward and dQ by per-query
     gathers, h fills the matrix rows) for large groups, BLOCKS for small ones. `forward`: the path of the
-    forward, which may stay tiled where the backward's (the default) does not."""
+    forward, which may stay tiled where the backward's (the default) does not, and which with the Gluon
+    block-centric kernel (`gluon_forward`: hopper_selected_forward_eligible) stays block-centric up to
+    token_min_heads_forward."""
     large = heads_per_group >= TUNING.token_min_heads
     most = TUNING.tiled_max_blocks_large_groups if large else TUNING.tiled_max_blocks
     if forward:
         most = max(most, TUNING.tiled_max_blocks_forward)
     if -(-seq_len // sel_block) <= min(most, 64):
         return TILED
+    if forward and gluon_forward:
+        large = heads_per_group >= TUNING.token_min_heads_forward
     return TOKEN if large else BLOCKS
 
 
@@ -411,7 +420,7 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
-    path = selected_path(T, h, sel_block, forward=True)
+    path = selected_path(T, h, sel_block, True, hopper_selected_forward_eligible(q, k, v, sel_block))
     if path == TILED:  # the tiled kernel writes the gated sum too
         bits = chosen_bits(indices, -(-T // sel_block))
         o_sel, lse_sel, o = range_attention_fwd(q, k, v, MODE_SEL, scale, 1, 1, 1, bits=bits, sel_block=sel_block,
@@ -430,11 +439,14 @@ def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: floa
         item_key, item_start, item_count, entries = inverse
         opart = torch.empty(B * G * T * n, h, Dv, device=q.device, dtype=q.dtype)
         lsepart = torch.empty(B * G * T * n, h, device=q.device, dtype=torch.float32)
-        _sel_fwd_partial_kernel[(item_key.numel(),)](
-            q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_strides(q, k, v),
-            T, G, -(-T // sel_block), n, h, scale * LOG2E, sel_block,
-            **head_dims(Dk, Dv), **_block_launch(sel_block), **_item_launch(q, Dv),
-        )
+        if hopper_selected_forward_supports(q, k, v, sel_block):
+            selected_forward_hopper(q, k, v, opart, lsepart, inverse, scale, n)
+        else:
+            _sel_fwd_partial_kernel[(item_key.numel(),)](
+                q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_strides(q, k, v),
+                T, G, -(-T // sel_block), n, h, scale * LOG2E, sel_block,
+                **head_dims(Dk, Dv), **_block_launch(sel_block), **_item_launch(q, Dv),
+            )
     cfg = _row_launch(o)
     _finalize_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel,
@@ -462,7 +474,7 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, s
                                       sel_block=sel_block)
         return dk, dv, SelectedDQ(SEL_TILED, k=k, v=v, choice=bits, sel_block=sel_block)
     token = path == TOKEN
-    if token:  # its dK/dV is block-centric too; the forward had no use for the index
+    if token and inverse[0].numel() == 0:  # its dK/dV is block-centric too; a per-query forward built no index
         inverse = build_inverse_index(indices, T, sel_block)
     item_key, item_start, item_count, entries = inverse
     dk_out = torch.zeros(k.shape, device=k.device, dtype=torch.float32)

@@ -50,6 +50,13 @@ class Tuning:
     costs more of it than Triton's (H100, M7C at 16k x 1, 12.6M elements, one run per call: 3.99 ms with it
     against 3.48 without, where two identical settings differed by 0.3 ms, though its GPU time is 0.45 ms against
     0.53; at 4k x 16, 50M elements, GPU time 1.53 ms against 1.78)."""
+    hopper_selected_forward: bool = True
+    """On an sm_90 GPU, run the block-centric selected branch's per-block partials as the Gluon kernel of
+    hopper_selected_forward.py where it applies; False keeps Triton's kernel (the one the CPU tests check)."""
+    hopper_selected_forward_min_elements: int = 1 << 24
+    """...from this many elements of q on (the host-time reason of hopper_selected_backward_min_elements)."""
+    hopper_selected_forward_stages: int = 3
+    """Row steps in flight in that kernel's shared-memory ring."""
     hopper_query_grad: bool = True
     """On an sm_90 GPU, run query_grad's dQ kernel as the Gluon kernel of hopper_query_grad.py where it applies;
     False keeps Triton's kernel (the one the CPU tests check)."""
@@ -103,6 +110,13 @@ class Tuning:
     token_min_heads: int = 16
     """Group sizes from here on compute the selected forward and dQ per query (each gathered key block
     then feeds h >= 16 matrix rows); smaller groups go block-centric (measured: DESIGN shapes, H200)."""
+    token_min_heads_forward: int = 16
+    """The same for the selected forward where its Gluon block-centric kernel serves (hopper_selected_forward.py;
+    the backward's dQ follows token_min_heads). Above token_min_heads it trades memory for speed: at the paper
+    shape (16 heads a group, H100, GPU time of the selected forward with its merge) block-centric took 8.62 ms
+    against 10.06 per query at 8k x 4 and 19.4 against 20.2 at 64k, but its per-block partials take B*T*n*H*Dv
+    bf16 while the forward runs: 17 GB at 64k, 69 GB for two sequences of 128k (which ran out of memory on an
+    H100)."""
     token_warps: int = 4
     """Warps of the per-query selected-branch kernels."""
     sel_block_r: int = 64
