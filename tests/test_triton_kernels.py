@@ -60,6 +60,16 @@ def test_selected_path_is_tiled_while_blocks_are_few_then_by_group_size():
     assert selected_path(few * 64 + 1, 6, 64, forward=True) == BLOCKS
 
 
+def test_large_groups_forward_goes_block_centric_only_with_the_gluon_kernel_and_the_knob_raised(monkeypatch):
+    T = 65 * 64  # past every tiled limit
+    assert selected_path(T, 16, 64, forward=True, gluon_forward=True) == TOKEN  # the default keeps per-query
+    monkeypatch.setattr(tuning.TUNING, "token_min_heads_forward", 32)
+    assert selected_path(T, 16, 64, forward=True, gluon_forward=True) == BLOCKS
+    assert selected_path(T, 16, 64, forward=True, gluon_forward=False) == TOKEN  # Triton's per-query stays
+    assert selected_path(T, 16, 64, gluon_forward=True) == TOKEN  # the backward follows token_min_heads
+    assert selected_path(T, 32, 64, forward=True, gluon_forward=True) == TOKEN
+
+
 def test_chosen_bits_mark_exactly_the_chosen_blocks():
     idx = torch.tensor([[[[0, 5, -1], [63, 2, 1]]]])  # [B=1, T=1, G=2, n=3]
     bits = chosen_bits(idx, 64)

@@ -115,8 +115,7 @@ class Tuning:
     the backward's dQ follows token_min_heads). Above token_min_heads it trades memory for speed: at the paper
     shape (16 heads a group, H100, GPU time of the selected forward with its merge) block-centric took 8.62 ms
     against 10.06 per query at 8k x 4 and 19.4 against 20.2 at 64k, but its per-block partials take B*T*n*H*Dv
-    bf16 while the forward runs: 17 GB at 64k, 69 GB for two sequences of 128k (which ran out of memory on an
-    H100)."""
+    bf16 while the forward runs: 17 GB at 64k, 69 GB for two sequences of 128k (too much for an 80 GB H100)."""
     token_warps: int = 4
     """Warps of the per-query selected-branch kernels."""
     sel_block_r: int = 64
