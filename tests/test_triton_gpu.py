@@ -124,70 +124,71 @@ def test_hopper_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
         assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
 
 
+def gathered_selected_inputs(name, T, monkeypatch):
+    """(q, k, v, gates, indices, inverse index) of the block-centric selected branch on two bf16 sequences, keys and
+    values as views into one projection, short sequences forced off the tiled path; skips off sm_90."""
+    from nsa.ops.triton import selected_attention as sa
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are built for sm_90")
+    for field in ("tiled_max_blocks", "tiled_max_blocks_large_groups", "tiled_max_blocks_forward"):
+        monkeypatch.setattr(TUNING, field, 0)
+    q, k_cmp, _, k_sel, v_sel, k_win, v_win, gates = bf16_inputs(2, T, name, seed=T, requires_grad=False)
+    k, v = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)[:2]
+    idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
+    return q, k, v, gates, idx, sa.build_inverse_index(idx, T, HP["sel_block"])
+
+
+def gluon_and_triton(monkeypatch, launcher, switch, call):
+    """{True: call() with the Gluon kernel, False: with Triton's}, asserting that the Gluon launcher (a name in
+    selected_attention) ran exactly once."""
+    from nsa.ops.triton import selected_attention as sa
+
+    calls = []
+    original = getattr(sa, launcher)
+    monkeypatch.setattr(sa, launcher, lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
+    runs = {}
+    for gluon in (True, False):
+        monkeypatch.setattr(TUNING, switch, gluon)
+        runs[gluon] = call()
+    assert calls == [1], "the Gluon kernel did not run (or ran twice)"
+    return runs
+
+
 @pytest.mark.parametrize("name,T", [("m7c", 4133), ("m7c", 700), ("m7c", 129), ("d128", 2500), ("paper", 4500)])
 def test_hopper_selected_forward_matches_the_triton_kernel(name, T, monkeypatch):
     # The Gluon block-centric selected forward (hopper_selected_forward.py) against the Triton kernel the CPU tests
     # check, through the finalize merge: o_sel, its lse and the gated sum; M7C's group of 6 and a group of 4 at head
-    # dim 128, two sequences, keys and values as views into one projection, a last partial block, short sequences
-    # forced off the tiled path. The paper shape's 16 heads a group go block-centric only with the Gluon kernel
+    # dim 128, a last partial block. The paper shape's 16 heads a group go block-centric only with the Gluon kernel
     # (and token_min_heads_forward above 16): there it is checked against the per-query Triton kernel.
     from nsa.ops.triton import selected_attention as sa
 
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is built for sm_90")
-    monkeypatch.setattr(TUNING, "tiled_max_blocks", 0)
-    monkeypatch.setattr(TUNING, "tiled_max_blocks_forward", 0)
     monkeypatch.setattr(TUNING, "hopper_selected_forward_min_elements", 0)
-    monkeypatch.setattr(TUNING, "token_min_heads_forward", 32)  # the paper shape's groups of 16 block-centric too
-    q, k_cmp, _, k_sel, v_sel, k_win, v_win, gates = bf16_inputs(2, T, name, seed=T, requires_grad=False)
-    k, v = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)[:2]
-    idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
-    inverse = sa.build_inverse_index(idx, T, HP["sel_block"])
+    monkeypatch.setattr(TUNING, "token_min_heads_forward", 32)
+    q, k, v, gates, idx, inverse = gathered_selected_inputs(name, T, monkeypatch)
     o_cmp, o_win = torch.randn_like(q), torch.randn_like(q)
-    calls = []
-    original = sa.selected_forward_hopper
-    monkeypatch.setattr(sa, "selected_forward_hopper", lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
-    runs = {}
-    for gluon in (True, False):
-        monkeypatch.setattr(TUNING, "hopper_selected_forward", gluon)
-        runs[gluon] = sa.selected_forward(q, k, v, idx, inverse, o_cmp, o_win, gates, q.shape[-1] ** -0.5,
-                                          HP["sel_block"])
-    assert calls == [1], "the Gluon kernel did not run (or ran twice)"
-    for name, a, b in zip(("o", "o_sel", "lse_sel"), runs[True], runs[False]):
-        assert torch.isfinite(a).all(), name
-        assert rel_err(a, b) < 5e-3, (name, rel_err(a, b))
+    runs = gluon_and_triton(monkeypatch, "selected_forward_hopper", "hopper_selected_forward", lambda: (
+        sa.selected_forward(q, k, v, idx, inverse, o_cmp, o_win, gates, q.shape[-1] ** -0.5, HP["sel_block"])))
+    for out_name, a, b in zip(("o", "o_sel", "lse_sel"), runs[True], runs[False]):
+        assert torch.isfinite(a).all(), out_name
+        assert rel_err(a, b) < 5e-3, (out_name, rel_err(a, b))
 
 
 @pytest.mark.parametrize("name,T", [("m7c", 4133), ("m7c", 700), ("paper", 4500), ("paper", 2048)])
 def test_hopper_selected_backward_matches_the_triton_kernel(name, T, monkeypatch):
     # The Gluon block-centric selected backward (hopper_selected_backward.py) against the Triton kernel the CPU
-    # tests check: dK/dV and, at M7C's group of 6, the rows' dQ shares; two sequences, keys and values as views
-    # into one projection, a last partial block (700, 4133, 4500), short sequences forced off the tiled path.
+    # tests check: dK/dV and, at M7C's group of 6, the rows' dQ shares; a last partial block (700, 4133, 4500).
     from nsa.ops.triton import selected_attention as sa
 
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon kernel is built for sm_90")
-    monkeypatch.setattr(TUNING, "tiled_max_blocks", 0)
-    monkeypatch.setattr(TUNING, "tiled_max_blocks_large_groups", 0)
-    monkeypatch.setattr(TUNING, "tiled_max_blocks_forward", 0)
     monkeypatch.setattr(TUNING, "hopper_selected_backward_min_elements", 0)
-    q, k_cmp, _, k_sel, v_sel, k_win, v_win, gates = bf16_inputs(2, T, name, seed=T, requires_grad=False)
-    k, v = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)[:2]
-    idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
-    inverse = sa.build_inverse_index(idx, T, HP["sel_block"])
+    q, k, v, gates, idx, inverse = gathered_selected_inputs(name, T, monkeypatch)
     scale = q.shape[-1] ** -0.5
     _, o_sel, lse = sa.selected_forward(q, k, v, idx, inverse, torch.randn_like(q), torch.randn_like(q), gates,
                                         scale, HP["sel_block"])
     do = torch.randn_like(o_sel)
     delta = (do.float() * o_sel.float()).sum(-1)
-    calls = []
-    original = sa.selected_backward_hopper
-    monkeypatch.setattr(sa, "selected_backward_hopper", lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
-    runs = {}
-    for gluon in (True, False):
-        monkeypatch.setattr(TUNING, "hopper_selected_backward", gluon)
-        runs[gluon] = sa.selected_backward(q, k, v, idx, inverse, do, lse, delta, scale, HP["sel_block"])
-    assert calls == [1], "the Gluon kernel did not run (or ran twice)"
+    runs = gluon_and_triton(monkeypatch, "selected_backward_hopper", "hopper_selected_backward", lambda: (
+        sa.selected_backward(q, k, v, idx, inverse, do, lse, delta, scale, HP["sel_block"])))
     (dk, dv, sel), (dk_t, dv_t, sel_t) = runs[True], runs[False]
     for grad_name, a, b in (("dk", dk, dk_t), ("dv", dv, dv_t)):
         assert torch.isfinite(a).all(), grad_name

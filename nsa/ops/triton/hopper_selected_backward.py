@@ -71,6 +71,20 @@ def _step_entries(ENTRIES, start, r0, rows, h: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
+def _ring_turn(ENTRIES, start, r0, rows, h: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               layout: gl.constexpr):
+    """The ring's turn at the row step starting at r0: (first row, row ok, entry) of step s + STAGES - 1, whose
+    copies the caller issues next, read before waiting for step s's copies so that their latency hides behind
+    the wait; then the wait, and a barrier after which step s - 1's stage is free."""
+    nxt_r0 = r0 + (STAGES - 1) * BLOCK_M
+    f_ok, f = _step_entries(ENTRIES, start, nxt_r0, rows, h, BLOCK_M, layout)
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+    return nxt_r0, f_ok, f
+
+
+@gluon.jit
 def _load_step(Q, DO, LSE, DELTA, ENTRIES, q_smem, do_smem, lse_smem, delta_smem, ent_smem, stage, f, f_ok, start,
                r0, rows, b, g, bg, T, sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, n: gl.constexpr, h: gl.constexpr,
                D: gl.constexpr, BLOCK_M: gl.constexpr, io: gl.constexpr, vec: gl.constexpr):
@@ -153,12 +167,7 @@ def _sel_bwd_hopper(
         for s in range(n_steps):
             r0 = s * BLOCK_M
             stage = s % STAGES
-            # The entries of step s + STAGES - 1, read before the wait so that their latency hides behind it.
-            nxt_r0 = r0 + (STAGES - 1) * BLOCK_M
-            f_ok, f = _step_entries(ENTRIES, start, nxt_r0, rows, h, BLOCK_M, io_row)
-            async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            gl.thread_barrier()
+            nxt_r0, f_ok, f = _ring_turn(ENTRIES, start, r0, rows, h, BLOCK_M, STAGES, io_row)
             # Step s + STAGES - 1 goes into step s - 1's stage: its products were awaited before this barrier.
             if s + STAGES - 1 < n_steps:
                 _load_step(Q, DO, LSE, DELTA, ENTRIES, q_smem, do_smem, lse_smem, delta_smem, ent_smem,

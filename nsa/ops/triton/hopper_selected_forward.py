@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .common import LOG2E
 from .hopper_backward import row_io_layout, wgmma_layout
 from .hopper_forward import _descriptor, _is_sm90, gluon_layout_ok
-from .hopper_selected_backward import _item_block, _load_block, _masked_rows, _step_entries
+from .hopper_selected_backward import _item_block, _load_block, _masked_rows, _ring_turn, _step_entries
 from .tuning import TUNING
 
 
@@ -101,12 +101,7 @@ def _sel_fwd_hopper(
         for s in range(n_steps):
             r0 = s * BLOCK_M
             stage = s % STAGES
-            # The entries of step s + STAGES - 1, read before the wait so that their latency hides behind it.
-            nxt_r0 = r0 + (STAGES - 1) * BLOCK_M
-            f_ok, f = _step_entries(ENTRIES, start, nxt_r0, rows, h, BLOCK_M, io_row)
-            async_copy.wait_group(STAGES - 2)
-            fence_async_shared()
-            gl.thread_barrier()
+            nxt_r0, f_ok, f = _ring_turn(ENTRIES, start, r0, rows, h, BLOCK_M, STAGES, io_row)
             # Step s + STAGES - 1 goes into step s - 1's stage: its product and reads finished before this barrier.
             if s + STAGES - 1 < n_steps:
                 _load_rows(Q, ENTRIES, q_smem, ent_smem, (s + STAGES - 1) % STAGES, f, f_ok, start, nxt_r0, rows,
