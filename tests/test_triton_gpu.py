@@ -239,6 +239,28 @@ def test_long_sequences_stay_finite_and_agree_with_their_prefix(T, monkeypatch):
     torch.testing.assert_close(out[:, :n], nsa_attention(*short, **HP, backend="triton"), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("B,T", [(8, 2048), (1, 8192)])
+def test_branch_streams_change_no_number(B, T, monkeypatch):
+    """The compressed (and window) branch on a side stream: the same output and gradients as all on one stream, over
+    repeated steps (a missing wait would read a branch's output before it is written)."""
+    ins = bf16_inputs(B, T, "m7c", seed=B)
+    do = torch.randn_like(ins[0][..., :64])
+
+    def steps(on: bool):
+        monkeypatch.setattr(TUNING, "branch_streams", on)
+        results = []
+        for _ in range(3):
+            out = nsa_attention(*ins, **HP, backend="triton")
+            results.append((out, *torch.autograd.grad(out, ins, do)))
+        return results
+
+    for one, side in zip(steps(False), steps(True)):
+        torch.testing.assert_close(side[0], one[0], rtol=0, atol=0)
+        for grad_name, g, r in zip(("o",) + NAMES, side, one):
+            # split dK/dV programs add in whatever order they finish, the same on either side
+            assert rel_err(g, r) < 1e-3, (grad_name, rel_err(g, r))
+
+
 def test_int64_offsets_beyond_two_billion_elements():
     # B=2 at 128k tokens x 64 heads x 128 dims: element offsets of the second sequence exceed 2^31.
     ins = bf16_inputs(2, 131072, "paper", seed=2, requires_grad=False)

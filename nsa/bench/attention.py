@@ -256,6 +256,8 @@ SWEEP = {
     "tiled_max_blocks_large_groups": [0, 32],
     "select_block_t": [8, 32],
     "token_min_heads_forward": [17],
+    "branch_streams": [False],
+    "window_grads_beside": [False],
 }
 """Values tried for each launch parameter, or for several at once (names joined by '+', value tuples); the
 defaults are measured too."""

@@ -17,6 +17,7 @@ from .query_grad import query_grad
 from .range_attention import MODE_CMP, MODE_WIN, range_attention_dkdv, range_attention_fwd
 from .selected_attention import BLOCKS, build_inverse_index, selected_backward, selected_forward, selected_path
 from .selection import select_blocks_fwd
+from .streams import Beside
 from .tuning import TUNING
 
 _F32 = torch.float32
@@ -43,6 +44,14 @@ def _no_inverse(q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return empty, empty.clone(), empty.clone(), empty.clone()
 
 
+def _compressed_and_choice(q, k_cmp, v_cmp, block_len, block_stride, sel_block, n_sel, window, scale, blocks):
+    """The compressed branch's output and lse, the chosen blocks and (where `blocks`) their inverse index."""
+    o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, scale, block_len, block_stride, window)
+    indices = select_blocks_fwd(q, k_cmp, lse_cmp, scale, block_len, block_stride, sel_block, n_sel)
+    inverse = build_inverse_index(indices, q.shape[1], sel_block) if blocks else _no_inverse(q)
+    return o_cmp, lse_cmp, indices, inverse
+
+
 @torch.library.custom_op("nsa::forward", mutates_args=())
 def nsa_forward(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
@@ -51,12 +60,13 @@ def nsa_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """o, then what backward needs: each branch's output and lse, the indices and their inverse index (built where
     a block-centric selected branch reads it: this forward, or with `needs_grad` the backward)."""
-    T = q.shape[1]
-    o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, scale, block_len, block_stride, window)
-    indices = select_blocks_fwd(q, k_cmp, lse_cmp, scale, block_len, block_stride, sel_block, n_sel)
     blocks = _inverse_needed(q, k_sel, v_sel, sel_block, needs_grad)
-    inverse = build_inverse_index(indices, T, sel_block) if blocks else _no_inverse(q)
+    # The compressed branch and the choice it feeds run beside the window branch (streams.py).
+    beside = Beside(q.device)
+    o_cmp, lse_cmp, indices, inverse = beside.run(_compressed_and_choice, q, k_cmp, v_cmp, block_len, block_stride,
+                                                  sel_block, n_sel, window, scale, blocks)
     o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
+    beside.join()
     o, o_sel, lse_sel = selected_forward(q, k_sel, v_sel, indices, inverse, o_cmp, o_win, gates, scale, sel_block)
     return o, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices, *inverse
 
@@ -88,14 +98,18 @@ def nsa_backward(
     # Each branch's gate comes folded into its lse and delta (see gating.py).
     dgates, delta, lse_g = gate_grads(do, o_cmp, o_sel, o_win, gates, lse_cmp, lse_sel, lse_win)
     inverse = (item_key, item_start, item_count, entries)
+    # The compressed (and optionally the window) branch's dK/dV run beside the selected branch and dQ.
+    beside = Beside(q.device)
+    dk_cmp, dv_cmp = beside.run(range_attention_dkdv, q, k_cmp, v_cmp, do, lse_g[0], delta[0], MODE_CMP, scale,
+                                block_len, block_stride, window)
+    window_beside = beside.run if TUNING.window_grads_beside else _call
+    dk_win, dv_win = window_beside(range_attention_dkdv, q, k_win, v_win, do, lse_g[2], delta[2], MODE_WIN, scale,
+                                   block_len, block_stride, window)
     dk_sel, dv_sel, sel_dq = selected_backward(q, k_sel, v_sel, indices, inverse, do, lse_g[1], delta[1], scale,
                                                sel_block)
-    dk_win, dv_win = range_attention_dkdv(q, k_win, v_win, do, lse_g[2], delta[2], MODE_WIN, scale,
-                                          block_len, block_stride, window)
-    dk_cmp, dv_cmp = range_attention_dkdv(q, k_cmp, v_cmp, do, lse_g[0], delta[0], MODE_CMP, scale,
-                                          block_len, block_stride, window)
     dq = query_grad(q, do, lse_g, delta, scale, block_len, block_stride, window, (k_cmp, v_cmp), (k_win, v_win),
                     sel_dq)
+    beside.join()
     grads = (dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win)
     inputs = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)
     return (*(g.to(x.dtype) for g, x in zip(grads, inputs)), dgates)
@@ -104,6 +118,10 @@ def nsa_backward(
 @nsa_backward.register_fake
 def _(do, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *rest):
     return tuple(torch.empty_like(x) for x in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))
+
+
+def _call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
 
 
 def _setup_context(ctx, inputs, output):

@@ -131,6 +131,12 @@ class Tuning:
     gate_block_m: int = 32
     """(token, head) rows per program of the gate-gradient kernel (gating.py)."""
     gate_warps: int = 4
+    branch_streams: bool = True
+    """On CUDA, queue the compressed branch (forward with the block choice, and its dK/dV) on a second stream,
+    beside the window and selected kernels (streams.py)."""
+    window_grads_beside: bool = True
+    """With branch_streams, the window branch's dK/dV goes to that stream too, beside the selected branch's
+    backward and dQ."""
     inverse_chunk: int = 256
     """(query, slot) entries per work item of the block-centric selected-branch kernels (4 under the interpreter)."""
 

@@ -1,0 +1,71 @@
+"""A second CUDA stream for the NSA branches whose kernels do not depend on each other.
+
+At short sequences the compressed branch's kernels are latency-bound: each program runs a short loop over
+few compressed keys, mostly prologue and epilogue. Queued on a side stream, they run beside the window and
+selected kernels and fill the SM slots those leave between programs, instead of taking their own turn.
+Off CUDA (the interpreter) everything runs in order on the one stream, as it would without this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from .tuning import TUNING
+
+R = TypeVar("R")
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(device=index)
+    return _SIDE[index]
+
+
+class Beside:
+    """Work queued beside the current stream. Creating one forks (the side stream waits for all queued so far);
+    `join` makes the current stream wait for the side's work and hands its tensors over to it."""
+
+    def __init__(self, device: torch.device):
+        # Not while a CUDA graph is captured: a replay already runs without the host's gaps, and the
+        # allocator's cross-stream bookkeeping (record_stream) is not meant for capture.
+        self.on = (device.type == "cuda" and TUNING.branch_streams
+                   and not torch.cuda.is_current_stream_capturing())
+        self.main = torch.cuda.current_stream(device) if self.on else None
+        self.side = _side_stream(device) if self.on else None
+        self.outputs: list[Tensor] = []
+        if self.on:
+            self.side.wait_stream(self.main)
+
+    def run(self, fn: Callable[..., R], *args, **kwargs) -> R:
+        """fn(*args) queued on the side stream (or run in place when off); its returned tensors are kept for
+        `join`. Inputs must stay alive until `join`: the caller holds them."""
+        if not self.on:
+            return fn(*args, **kwargs)
+        with torch.cuda.stream(self.side):
+            out = fn(*args, **kwargs)
+        self.outputs.extend(_tensors(out))
+        return out
+
+    def join(self) -> None:
+        if not self.on:
+            return
+        self.main.wait_stream(self.side)
+        # Allocated on the side stream, used and freed on the main one: the allocator must not hand their
+        # memory to the side stream again before the main stream is done with them.
+        for t in self.outputs:
+            t.record_stream(self.main)
+        self.outputs = []
+
+
+def _tensors(out) -> Sequence[Tensor]:
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors(item)]
+    return []
