@@ -243,11 +243,15 @@ def test_long_sequences_stay_finite_and_agree_with_their_prefix(T, monkeypatch):
 def test_branch_streams_change_no_number(B, T, monkeypatch):
     """The compressed (and window) branch on a side stream: the same output and gradients as all on one stream, over
     repeated steps (a missing wait would read a branch's output before it is written)."""
+    from nsa.ops.triton.streams import Beside
+
     ins = bf16_inputs(B, T, "m7c", seed=B)
     do = torch.randn_like(ins[0][..., :64])
+    monkeypatch.setattr(TUNING, "branch_streams_min_elements", 0)  # these calls are smaller than the default's
 
     def steps(on: bool):
         monkeypatch.setattr(TUNING, "branch_streams", on)
+        assert Beside(ins[0]).on == on
         results = []
         for _ in range(3):
             out = nsa_attention(*ins, **HP, backend="triton")

@@ -62,7 +62,7 @@ def nsa_forward(
     a block-centric selected branch reads it: this forward, or with `needs_grad` the backward)."""
     blocks = _inverse_needed(q, k_sel, v_sel, sel_block, needs_grad)
     # The compressed branch and the choice it feeds run beside the window branch (streams.py).
-    beside = Beside(q.device)
+    beside = Beside(q)
     o_cmp, lse_cmp, indices, inverse = beside.run(_compressed_and_choice, q, k_cmp, v_cmp, block_len, block_stride,
                                                   sel_block, n_sel, window, scale, blocks)
     o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
@@ -99,7 +99,7 @@ def nsa_backward(
     dgates, delta, lse_g = gate_grads(do, o_cmp, o_sel, o_win, gates, lse_cmp, lse_sel, lse_win)
     inverse = (item_key, item_start, item_count, entries)
     # The compressed (and optionally the window) branch's dK/dV run beside the selected branch and dQ.
-    beside = Beside(q.device)
+    beside = Beside(q)
     dk_cmp, dv_cmp = beside.run(range_attention_dkdv, q, k_cmp, v_cmp, do, lse_g[0], delta[0], MODE_CMP, scale,
                                 block_len, block_stride, window)
     window_beside = beside.run if TUNING.window_grads_beside else _call

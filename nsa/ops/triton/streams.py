@@ -28,13 +28,16 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class Beside:
-    """Work queued beside the current stream. Creating one forks (the side stream waits for all queued so far);
-    `join` makes the current stream wait for the side's work and hands its tensors over to it."""
+    """Work of one NSA call (on queries q) queued beside the current stream. Creating one forks (the side stream
+    waits for all queued so far); `join` makes the current stream wait for the side's work and hands its tensors
+    over to it."""
 
-    def __init__(self, device: torch.device):
-        # Not while a CUDA graph is captured: a replay already runs without the host's gaps, and the
-        # allocator's cross-stream bookkeeping (record_stream) is not meant for capture.
-        self.on = (device.type == "cuda" and TUNING.branch_streams
+    def __init__(self, q: Tensor):
+        # Not for small calls (TUNING.branch_streams_min_elements), and not while a CUDA graph is captured: a
+        # replay already runs without the host's gaps, and the allocator's cross-stream bookkeeping
+        # (record_stream) is not meant for capture.
+        device = q.device
+        self.on = (device.type == "cuda" and TUNING.branch_streams and q.numel() >= TUNING.branch_streams_min_elements
                    and not torch.cuda.is_current_stream_capturing())
         self.main = torch.cuda.current_stream(device) if self.on else None
         self.side = _side_stream(device) if self.on else None

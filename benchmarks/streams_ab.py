@@ -1,0 +1,60 @@
+"""Alternating A/B of the side stream (TUNING.branch_streams) on NSA forward+backward, M7C shapes.
+
+    python3 benchmarks/streams_ab.py [--cases 2048x64,8192x16,2048x32] [--rounds 6] [--steps 20]
+
+Each sample queues `steps` forward+backward calls back to back and times them with CUDA events; rounds alternate
+which setting goes first. A case whose host time per call exceeds its GPU time measures the host, where the side
+stream's event bookkeeping counts against it: double the batch to see the GPU's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from nsa.bench.attention import _fwd_bwd, _nsa, make_inputs
+from nsa.ops.triton.tuning import TUNING
+
+
+def sample(step, steps: int) -> float:
+    step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="2048x64,8192x16,2048x32", help="TxB,... (M7C: 12/2/64)")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    for case in args.cases.split(","):
+        T, B = (int(x) for x in case.split("x"))
+        ins = make_inputs(T, 12, 2, 64, 64, batch=B)
+        step = _fwd_bwd(_nsa(ins), ins)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        try:
+            for r in range(args.rounds + 1):  # round 0 warms both settings up
+                for on in (True, False) if r % 2 else (False, True):
+                    TUNING.branch_streams = on
+                    ms = sample(step, args.steps)
+                    if r:
+                        times[on].append(ms)
+        finally:
+            TUNING.branch_streams = True
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        print(f"M7C {T}x{B}: side stream {on:.3f} ms, one stream {off:.3f} ms, ratio {off / on:.3f} "
+              f"(samples on {[round(x, 2) for x in times[True]]}, off {[round(x, 2) for x in times[False]]})",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
