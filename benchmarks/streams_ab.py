@@ -15,19 +15,8 @@ import statistics
 import torch
 
 from nsa.bench.attention import _fwd_bwd, _nsa, make_inputs
+from nsa.bench.common import time_cuda
 from nsa.ops.triton.tuning import TUNING
-
-
-def sample(step, steps: int) -> float:
-    step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def main() -> None:
@@ -45,7 +34,7 @@ def main() -> None:
             for r in range(args.rounds + 1):  # round 0 warms both settings up
                 for on in (True, False) if r % 2 else (False, True):
                     TUNING.branch_streams = on
-                    ms = sample(step, args.steps)
+                    ms = time_cuda(step, warmup=1, min_reps=args.steps, max_reps=args.steps, queued=True)
                     if r:
                         times[on].append(ms)
         finally:

@@ -1,8 +1,9 @@
 """A second CUDA stream for the NSA branches whose kernels do not depend on each other.
 
-At short sequences the compressed branch's kernels are latency-bound: each program runs a short loop over
-few compressed keys, mostly prologue and epilogue. Queued on a side stream, they run beside the window and
-selected kernels and fill the SM slots those leave between programs, instead of taking their own turn.
+The compressed branch (its forward and block choice, its dK/dV) and the window's dK/dV depend on neither the
+window forward nor the selected branch. Queued on a side stream, they run beside those, so the GPU is not left
+idle between one kernel's last programs and the next kernel's first (measured: benchmarks/RESULTS.md, twentieth
+session; the branches' big kernels already fill the SMs, so it is the gaps that shrink, not the compressed work).
 Off CUDA (the interpreter) everything runs in order on the one stream, as it would without this module.
 """
 
