@@ -2,15 +2,15 @@
 # Training checks on a machine with two GPUs (the device kind nvidia-h200-x2). Phases, given as arguments (several per call):
 #   tests: the GPU kernel tests (tests/test_triton_gpu.py);
 #   bench: `nsa bench train` (M7C tokens/s, MFU, peak memory, NSA vs dense, one GPU,
-#          seq 2048/8k/32k, torch.compile on); then seq 2048 with activation checkpointing on one GPU and
-#          on two (DDP, FSDP2);
+#          seq 2048/8k/32k, torch.compile on), then the `scale` phase;
+#   scale: seq 2048 with activation checkpointing on one GPU and on two (DDP, FSDP2), one after another;
 #   health: the cost of the NSA health statistics (`nsa bench train`, NSA at seq 2048, one GPU);
 #   runs:  1000-step M7C runs on two GPUs under DDP and under FSDP2, on real text, then `nsa report`.
 # Before `runs`, on a machine with the packages:  nsa prepare configs/m7c.yaml --out data/kjv-gpt2
 # (GPT-2 tokens of the embedded corpus, ~2 MB), copy the GPT-2 ranks file to data/gpt2.tiktoken (the GPU
 # machine has no network and no openai-whisper), and carry data/ with the call. Run from the repository root.
 set -o pipefail
-phases=${*:?usage: train_check.sh [tests] [bench] [health] [runs]}; phase=${phases// /-}
+phases=${*:?usage: train_check.sh [tests] [bench] [scale] [health] [runs]}; phase=${phases// /-}
 OUT=${OUT:-/tmp/nsa-train-check}
 W=/tmp/nsa-train-check-work  # everything lands here; $OUT gets the logs plus one tarball (few files travel back)
 mkdir -p "$OUT" "$W"
@@ -26,6 +26,9 @@ fi
 
 if [[ " $phases " == *" bench "* ]]; then
   python3 -m nsa bench train m7c $BYTES $FAST --steps 6 --warmup 3 --out "$W/one" 2>&1 | tee "$W/bench_1gpu.log"
+fi
+
+if [[ " $phases " == *" bench "* || " $phases " == *" scale "* ]]; then
   python3 -m nsa bench train m7c $BYTES $FAST parallel.activation_checkpointing=true --seq-lens 2048 \
     --attention nsa --steps 6 --warmup 3 --out "$W/one_ac" 2>&1 | tee "$W/bench_1gpu_ac.log"
   for mode in ddp fsdp; do

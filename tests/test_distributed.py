@@ -175,6 +175,48 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
         assert [(h["step"], h["bad_step"]) for h in halts] == [(6, 4)], rank
 
 
+def test_fsdp_can_reduce_gradients_in_bf16_and_still_matches_one_process(tmp_path, single_run):
+    # Every fully_shard call records the reduce type it was given: the option must reach each block and the root.
+    prelude = (
+        "import torch.distributed.fsdp as fsdp\n"
+        "real_shard = fsdp.fully_shard\n"
+        "def recording(module, **kw):\n"
+        "    with open(os.environ['RECORD'] + os.environ['RANK'], 'a') as f:\n"
+        "        f.write(str(kw['mp_policy'].reduce_dtype) + '\\n')\n"
+        "    return real_shard(module, **kw)\n"
+        "fsdp.fully_shard = recording\n"
+    )
+    os.environ["RECORD"] = str(tmp_path / "reduce_dtype_rank")
+    try:
+        proc = torchrun_script(tmp_path, prelude, "['train.run_name=bf16', 'train.batch_size=2', 'parallel.mode=fsdp', "
+                                                  "'parallel.fsdp_reduce_dtype=bfloat16']")
+    finally:
+        del os.environ["RECORD"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"reduce_dtype_rank{rank}").read_text().split() == ["torch.bfloat16"] * 3  # 2 blocks, root
+    got = losses(tmp_path / "bf16")
+    for step, (loss, _) in single_run.items():
+        assert got[step][0] == pytest.approx(loss, abs=1e-3), step
+
+
+def test_a_profiled_benchmark_step_runs_on_every_rank(tmp_path):
+    # The profiled step holds the gradient all-reduce: taken by rank 0 alone, it waited for the timeout.
+    script = tmp_path / "profiled.py"
+    script.write_text(
+        "import datetime, os, sys\nfrom pathlib import Path\nimport torch, torch.distributed as dist\n"
+        "from nsa.bench.training import profiled_step\n"
+        "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=20))\n"
+        "rank, t = dist.get_rank(), torch.ones(4)\n"
+        f"profiled_step(lambda: dist.all_reduce(t), Path({str(tmp_path)!r}) / 'profile.txt', rank == 0)\n"
+        "assert t.tolist() == [2.0] * 4\n"
+        "dist.barrier()\ndist.destroy_process_group()\n"
+    )
+    proc = _launch([str(script)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "allreduce" in (tmp_path / "profile.txt").read_text().lower()
+
+
 def test_an_error_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
     # Rank 1 fails mid-run while rank 0 waits in a gradient all-reduce: the job must end within
     # seconds, not after the collective timeout (300 s here), with rank 1's error on screen.

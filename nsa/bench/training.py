@@ -80,6 +80,18 @@ def step_times_s(step, steps: int) -> list[float]:
     return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
 
 
+def profiled_step(step, path: Path, is_main: bool) -> None:
+    """One more step on every rank, whose GPU kernels rank 0 writes to `path` by total time.
+
+    Every rank must take it: the step holds the gradient all-reduce, so a step on rank 0 alone would wait for
+    the other ranks until the process group's timeout.
+    """
+    if is_main:
+        profile_to_file(step, path, rows=250)
+    else:
+        step()
+
+
 PROGRESS_COLUMNS = ["attention", "seq_len", "batch_per_rank", "ranks", "tokens_per_s", "peak_mem_gb", "step_ms"]
 
 
@@ -108,9 +120,8 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
     torch.cuda.reset_peak_memory_stats()
     times = step_times_s(trainer.train_step, steps)
     health_ms = _health_probe_ms(trainer)
-    if profile_dir and info.is_main:
-        # One training step's GPU kernels by total time.
-        profile_to_file(trainer.train_step, Path(profile_dir) / f"profile_{attention}_{seq_len}.txt", rows=250)
+    if profile_dir:
+        profiled_step(trainer.train_step, Path(profile_dir) / f"profile_{attention}_{seq_len}.txt", info.is_main)
     trainer.data.train.close()
     step_s = all_reduce_mean(torch.tensor(statistics.median(times), device=info.device), info).item()
     peak_gb = torch.cuda.max_memory_allocated() / 2**30

@@ -74,6 +74,9 @@ class ParallelConfig:
     """Collective timeout: a rank waiting longer than this fails the job instead of hanging it."""
     fsdp_reshard_after_forward: bool = True
     """FSDP2: free each block's gathered parameters after its forward (less memory, one more all-gather)."""
+    fsdp_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP2: type the gradients are reduce-scattered in. 'bfloat16' sends half the bytes, which pays where the
+    per-block reductions show in the step (small batches per GPU); the sums are then rounded to bf16."""
 
 
 @dataclass

@@ -45,9 +45,10 @@ def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mod
     if mode == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        # bf16 parameters for compute, fp32 gradient reduction and fp32 master weights in the optimizer.
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        kwargs = {"mp_policy": mp} if mp else {}
+        # bf16 parameters for compute, fp32 master weights in the optimizer; gradients reduced in fp32 by default.
+        reduce_dtype = getattr(torch, cfg.fsdp_reduce_dtype)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce_dtype)
+        kwargs = {"mp_policy": mp}
         for block in layers:
             fully_shard(block, reshard_after_forward=cfg.fsdp_reshard_after_forward, **kwargs)
         fully_shard(model, **kwargs)
