@@ -177,21 +177,18 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
 
 def test_fsdp_can_reduce_gradients_in_bf16_and_still_matches_one_process(tmp_path, single_run):
     # Every fully_shard call records the reduce type it was given: the option must reach each block and the root.
+    record = tmp_path / "reduce_dtype_rank"
     prelude = (
         "import torch.distributed.fsdp as fsdp\n"
         "real_shard = fsdp.fully_shard\n"
         "def recording(module, **kw):\n"
-        "    with open(os.environ['RECORD'] + os.environ['RANK'], 'a') as f:\n"
+        f"    with open({str(record)!r} + os.environ['RANK'], 'a') as f:\n"
         "        f.write(str(kw['mp_policy'].reduce_dtype) + '\\n')\n"
         "    return real_shard(module, **kw)\n"
         "fsdp.fully_shard = recording\n"
     )
-    os.environ["RECORD"] = str(tmp_path / "reduce_dtype_rank")
-    try:
-        proc = torchrun_script(tmp_path, prelude, "['train.run_name=bf16', 'train.batch_size=2', 'parallel.mode=fsdp', "
-                                                  "'parallel.fsdp_reduce_dtype=bfloat16']")
-    finally:
-        del os.environ["RECORD"]
+    proc = torchrun_script(tmp_path, prelude, "['train.run_name=bf16', 'train.batch_size=2', 'parallel.mode=fsdp', "
+                                              "'parallel.fsdp_reduce_dtype=bfloat16']")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"reduce_dtype_rank{rank}").read_text().split() == ["torch.bfloat16"] * 3  # 2 blocks, root
