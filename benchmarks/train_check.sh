@@ -6,13 +6,14 @@
 #   scale: seq 2048 with activation checkpointing on one GPU and on two (DDP, FSDP2), one after another;
 #   small: seq 2048 at 8 sequences per GPU without activation checkpointing (the 1000-step runs' size) on one GPU
 #          and on two (DDP, FSDP2 and its two faster settings), then one profiled DDP step (rank 0's kernels);
+#   graphs: seq 2048 at 8 sequences per GPU, parallel.cudagraphs on and off, one GPU and DDP, alternating;
 #   health: the cost of the NSA health statistics (`nsa bench train`, NSA at seq 2048, one GPU);
 #   runs:  1000-step M7C runs on two GPUs under DDP and under FSDP2, on real text, then `nsa report`.
 # Before `runs`, on a machine with the packages:  nsa prepare configs/m7c.yaml --out data/kjv-gpt2
 # (GPT-2 tokens of the embedded corpus, ~2 MB), copy the GPT-2 ranks file to data/gpt2.tiktoken (the GPU
 # machine has no network and no openai-whisper), and carry data/ with the call. Run from the repository root.
 set -o pipefail
-phases=${*:?usage: train_check.sh [tests] [bench] [scale] [small] [health] [runs]}; phase=${phases// /-}
+phases=${*:?usage: train_check.sh [tests] [bench] [scale] [small] [graphs] [health] [runs]}; phase=${phases// /-}
 OUT=${OUT:-/tmp/nsa-train-check}
 W=/tmp/nsa-train-check-work  # everything lands here; $OUT gets the logs plus one tarball (few files travel back)
 mkdir -p "$OUT" "$W"
@@ -50,6 +51,16 @@ if [[ " $phases " == *" small "* ]]; then  # where two GPUs scale less well (RES
   done
   torchrun --standalone --nproc_per_node=2 -m nsa bench train $SMALL parallel.mode=ddp --profile \
     --out "$W/small_ddp_profile" 2>&1 | tee "$W/small_ddp_profile.log"
+fi
+
+if [[ " $phases " == *" graphs "* ]]; then  # the host's launches at 8 sequences per GPU, with and without graphs
+  SMALL="m7c $BYTES $FAST --seq-lens 2048 --attention nsa --batch-tokens 16384 --steps 10 --warmup 3"
+  for graphs in true false; do
+    python3 -m nsa bench train $SMALL parallel.cudagraphs=$graphs --out "$W/graphs_${graphs}_one" 2>&1 \
+      | tee "$W/graphs_${graphs}_1gpu.log"
+    torchrun --standalone --nproc_per_node=2 -m nsa bench train $SMALL parallel.mode=ddp parallel.cudagraphs=$graphs \
+      --out "$W/graphs_${graphs}_ddp" 2>&1 | tee "$W/graphs_${graphs}_ddp.log"
+  done
 fi
 
 if [[ " $phases " == *" health "* ]]; then  # the cost of the NSA health statistics at M7C scale

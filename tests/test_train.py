@@ -105,6 +105,8 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path):
         (["train", "missing.yaml"], "nsa: error: config file 'missing.yaml' not found"),
         (["train", "nosuchpreset"], "nsa: error: config 'nosuchpreset' not found"),
         (["train", "data.source=text", "data.path=/no/such/dir"], "nsa: error: data.path '/no/such/dir' does not exist"),
+        (["train", "parallel.cudagraphs=true"], "nsa: error: parallel.cudagraphs=true replays compiled blocks: add "
+                                                "parallel.compile=true"),
         (["train", "train.device=cuda:0"] if not torch.cuda.is_available() else ["train", "train.device=tpu"], "nsa: error: train.device="),
     ],
 )
@@ -151,6 +153,55 @@ def test_training_with_torch_compile_and_activation_checkpointing(tmp_path):
                                             "train.sample_tokens=0", "model.attention=dense"]))
     for step in plain.losses:
         assert result.losses[step] == pytest.approx(plain.losses[step], abs=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal; on a GPU the option runs (test below)")
+def test_cuda_graphs_on_the_cpu_are_a_one_line_error(capsys, tmp_path):
+    assert main(["train", "parallel.compile=true", "parallel.cudagraphs=true", f"train.out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nsa: error: parallel.cudagraphs=true needs a CUDA device") and err.count("\n") == 1, err
+
+
+def test_uncompiled_runs_compiled_modules_eagerly_and_then_restores_them():
+    from nsa.train.parallel import uncompiled
+
+    def refuse(gm, example_inputs):
+        raise AssertionError("the compiled __call__ ran")
+
+    class Double(torch.nn.Module):  # defined here: dynamo inlines torch.nn's own modules without a graph
+        def forward(self, x):
+            return 2 * x
+
+    model = torch.nn.Sequential(Double(), Double())
+    for layer in model:
+        layer.compile(backend=refuse)
+    x = torch.randn(2, 4)
+    with uncompiled(model):
+        assert torch.equal(model(x), 4 * x)
+    with pytest.raises(Exception, match="the compiled __call__ ran"):
+        model(x)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+@pytest.mark.parametrize("attention,checkpointing", [("nsa", False), ("dense", False), ("nsa", True)])
+def test_cuda_graph_steps_give_the_compiled_steps_losses(tmp_path, attention, checkpointing):
+    """parallel.cudagraphs replays the compiled blocks' forward and backward from graphs; with gradient
+    accumulation (two backward passes into the same .grad per step) and evaluation in between, the losses must
+    follow the plain compiled run's."""
+    common = FAST + [f"train.out_dir={tmp_path}", "train.steps=6", "train.log_every=1", "train.sample_tokens=20",
+                     "train.batch_size=4", "train.grad_accum=2", "train.eval_every=3", "train.device=cuda",
+                     "parallel.compile=true", "parallel.allow_single_process=true", f"model.attention={attention}",
+                     f"parallel.activation_checkpointing={str(checkpointing).lower()}"]
+    graphed = train(load_config(None, common + ["train.run_name=g", "parallel.cudagraphs=true"]))
+    plain = train(load_config(None, common + ["train.run_name=p"]))
+    assert graphed.losses.keys() == plain.losses.keys() == set(range(1, 7))
+    for step in plain.losses:
+        assert graphed.losses[step] == pytest.approx(plain.losses[step], rel=2e-3), step
+    assert graphed.val_loss == pytest.approx(plain.val_loss, rel=2e-3)
+    # A replay that wrote over the first micro-batch's gradients would show here first (twice or half the norm).
+    norms = [[float(r["grad_norm"]) for r in csv.DictReader(open(tmp_path / run / "metrics.csv"))] for run in "gp"]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-2)
+    assert graphed.sample.startswith("And God said")
 
 
 def test_a_non_finite_loss_halts_with_a_checkpoint_and_a_message(tmp_path, monkeypatch):

@@ -113,11 +113,13 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
             warmup: int, info: DistInfo, profile_dir: str | None = None) -> dict:
     batch = max(1, batch_tokens // seq_len)
     torch._dynamo.reset()  # each shape compiles static, as in a real run, not as a dynamic-shape recompile
+    # From the start: under parallel.cudagraphs the warm-up steps record the graphs, whose memory the timed
+    # replays reuse without allocating.
+    torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(bench_config(config, overrides, attention, seq_len, batch_tokens, warmup + steps + 1), info)
     for _ in range(warmup):
         trainer.train_step()
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     times = step_times_s(trainer.train_step, steps)
     health_ms = _health_probe_ms(trainer)
     if profile_dir:

@@ -68,6 +68,11 @@ class ParallelConfig:
     """Recompute each block's activations in backward (non-reentrant): less memory, about a third more compute."""
     compile: bool = False
     """torch.compile each block and the loss (whose float32 logits are then never written out)."""
+    cudagraphs: bool = False
+    """With compile on a GPU: replay each compiled block's forward and backward, and the loss, as CUDA graphs
+    (Inductor's CUDA graph trees, as torch.compile's 'reduce-overhead'), so the host no longer launches their
+    kernels one by one. It pays where the host sets the pace (few sequences per GPU). Each new batch shape records
+    its own graphs, so keep it fixed. Single process and DDP."""
     allow_single_process: bool = False
     """Allow one process on a machine with several visible GPUs (otherwise an error naming the torchrun command)."""
     timeout_s: float = 600.0

@@ -36,7 +36,7 @@ from ..typed_config import to_dict
 from . import checkpoint
 from .distributed import DistInfo, all_reduce_mean, any_rank, check_same_config, init_distributed, shutdown
 from .optim import build_optimizer, build_scheduler
-from .parallel import apply_parallelism, gradient_sync, resolve_mode, unwrap
+from .parallel import apply_parallelism, gradient_sync, resolve_mode, uncompiled, unwrap
 from .stop import StopDecision, StopRequests
 
 
@@ -176,9 +176,16 @@ class Trainer:
     def _autocast(self):
         return autocast_context(self.cfg.train.precision, self.info.device)
 
+    def _new_graph_step(self) -> None:
+        """Under parallel.cudagraphs, tell the graph trees that the outputs of earlier replays are no longer read,
+        so their memory may be reused."""
+        if self.cfg.parallel.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; (loss, grad norm) stay on the device."""
         t = self.cfg.train
+        self._new_graph_step()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.info.device)
         for micro in range(t.grad_accum):
@@ -209,8 +216,10 @@ class Trainer:
         self.model.eval()
         losses = []
         for x, y in self.data.val:
+            self._new_graph_step()
             with self._autocast():
-                losses.append(self.model(x.to(self.info.device), y.to(self.info.device)).float())
+                # A copy: under parallel.cudagraphs the next batch's replay overwrites the graph's output.
+                losses.append(self.model(x.to(self.info.device), y.to(self.info.device)).float().clone())
         self.model.train()
         return all_reduce_mean(torch.stack(losses).mean(), self.info).item()
 
@@ -393,8 +402,10 @@ class Trainer:
         ran = first_step < self.step or resumed is None
         result.checkpoint = halted or (self.save() if ran else resumed)
         if halted is None and t.sample_tokens > 0:
-            result.sample = generate_text(unwrap(self.model) if self.mode != "fsdp" else self.model, self.tokenizer,
-                                          t.sample_prompt, t.sample_tokens, t.seq_len, info.device, t.seed)
+            model = unwrap(self.model) if self.mode != "fsdp" else self.model
+            with uncompiled(model):
+                result.sample = generate_text(model, self.tokenizer, t.sample_prompt, t.sample_tokens, t.seq_len,
+                                              info.device, t.seed)
             self._print(f"\n--- sample ---\n{result.sample}\n--------------")
         val_msg = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
         if result.first_loss is not None:

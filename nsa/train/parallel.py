@@ -30,18 +30,33 @@ def resolve_mode(cfg: ParallelConfig, info: DistInfo) -> str:
     return cfg.mode
 
 
+def check_cudagraphs(cfg: ParallelConfig, mode: str, device: torch.device) -> None:
+    """CUDA graphs replay compiled code on a GPU, and FSDP2 re-gathers each block's parameters into memory the
+    graphs would not track."""
+    if not cfg.cudagraphs:
+        return
+    if not cfg.compile:
+        raise UserError("parallel.cudagraphs=true replays compiled blocks: add parallel.compile=true")
+    if device.type != "cuda":
+        raise UserError(f"parallel.cudagraphs=true needs a CUDA device, not {device}: drop it or train on a GPU")
+    if mode == "fsdp":
+        raise UserError("parallel.cudagraphs=true is for single-process and DDP runs: drop it under parallel.mode=fsdp")
+
+
 def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mode: str, bf16: bool) -> nn.Module:
     """Wrap blocks for recomputation and compilation (the loss is compiled too), then replicate (DDP) or shard
     (FSDP2) the model."""
+    check_cudagraphs(cfg, mode, info.device)
     layers = model.layers
+    options = {**INDUCTOR_OPTIONS, "triton.cudagraphs": cfg.cudagraphs}
     for i, block in enumerate(layers):
         if cfg.activation_checkpointing:
             block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         if cfg.compile:
-            block.compile(options=INDUCTOR_OPTIONS)
+            block.compile(options=options)
         layers[i] = block
     if cfg.compile:
-        model.loss.compile(options=INDUCTOR_OPTIONS)
+        model.loss.compile(options=options)
     if mode == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -59,6 +74,22 @@ def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mod
         device_ids = [info.device.index] if info.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     return model
+
+
+@contextlib.contextmanager
+def uncompiled(model: nn.Module):
+    """Run the modules that apply_parallelism compiled as plain eager code for a while: the end-of-run sample
+    calls the model at a new length per token, which would recompile (and under parallel.cudagraphs record a
+    graph) for each."""
+    compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    saved = [m._compiled_call_impl for m in compiled]
+    for m in compiled:
+        m._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for m, impl in zip(compiled, saved):
+            m._compiled_call_impl = impl
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -136,7 +136,7 @@ class Tuning:
     beside the window and selected kernels (streams.py)."""
     branch_streams_min_elements: int = 1 << 24
     """...from this many elements of q (B * T * H * Dk) on: the fork and join cost host time, which shows where a
-    call's host time exceeds its GPU time. Alternating A/B on an H100 (benchmarks/streams_ab.py), M7C forward+backward
+    call's host time exceeds its GPU time. Alternating A/B on an H100 (benchmarks/tuning_ab.py), M7C forward+backward
     queued back to back, with the side stream: 1.04x at 8k x 16 (two runs), 0.99-1.03x at 2k x 32 and 2k x 64; a run
     where the host set the pace (2k x 32 and 8k x 4) read 0.905x and 0.963x."""
     window_grads_beside: bool = True
