@@ -162,6 +162,21 @@ def test_cuda_graphs_on_the_cpu_are_a_one_line_error(capsys, tmp_path):
     assert err.startswith("nsa: error: parallel.cudagraphs=true needs a CUDA device") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("compile_,mode,device,message", [
+    (False, "single", "cuda", "add parallel.compile=true"),
+    (True, "fsdp", "cuda", "drop it under parallel.mode=fsdp"),
+    (True, "ddp", "cpu", "needs a CUDA device, not cpu"),
+])
+def test_cuda_graphs_refuse_what_they_cannot_replay(compile_, mode, device, message):
+    from nsa.train.config import ParallelConfig
+    from nsa.train.parallel import check_cudagraphs
+
+    cfg = ParallelConfig(compile=compile_, cudagraphs=True)
+    with pytest.raises(UserError, match=message):
+        check_cudagraphs(cfg, mode, torch.device(device))
+    check_cudagraphs(ParallelConfig(compile=compile_, cudagraphs=False), mode, torch.device(device))
+
+
 def test_uncompiled_runs_compiled_modules_eagerly_and_then_restores_them():
     from nsa.train.parallel import uncompiled
 

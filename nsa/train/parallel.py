@@ -37,10 +37,10 @@ def check_cudagraphs(cfg: ParallelConfig, mode: str, device: torch.device) -> No
         return
     if not cfg.compile:
         raise UserError("parallel.cudagraphs=true replays compiled blocks: add parallel.compile=true")
-    if device.type != "cuda":
-        raise UserError(f"parallel.cudagraphs=true needs a CUDA device, not {device}: drop it or train on a GPU")
     if mode == "fsdp":
         raise UserError("parallel.cudagraphs=true is for single-process and DDP runs: drop it under parallel.mode=fsdp")
+    if device.type != "cuda":
+        raise UserError(f"parallel.cudagraphs=true needs a CUDA device, not {device}: drop it or train on a GPU")
 
 
 def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mode: str, bf16: bool) -> nn.Module:
