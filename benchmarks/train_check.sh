@@ -69,10 +69,12 @@ if [[ " $phases " == *" health "* ]]; then  # the cost of the NSA health statist
 fi
 
 if [[ " $phases " == *" runs "* ]]; then
-  for mode in ${MODES:-ddp fsdp}; do  # MODES=fsdp runs one of them (each takes ~4 minutes)
+  # MODES=fsdp runs one of them (each takes ~4 minutes); RUN_OVERRIDES adds config overrides to both, e.g.
+  # MODES=ddp RUN_OVERRIDES=parallel.cudagraphs=true (the twenty-second session's graphs run)
+  for mode in ${MODES:-ddp fsdp}; do
     timeout "${RUN_LIMIT_S:-1200}" torchrun --standalone --nproc_per_node=2 -m nsa train configs/m7c.yaml data.source=shards data.path=data/kjv-gpt2 \
       train.steps=1000 train.warmup_steps=100 train.eval_every=250 train.log_every=50 train.progress=false \
-      checkpoint.every=250 parallel.mode=$mode $FAST data.tokenizer_path=data/gpt2.tiktoken train.out_dir="$W/runs" train.run_name=m7c-$mode-1000 train.sample_tokens=0 \
+      checkpoint.every=250 parallel.mode=$mode $FAST data.tokenizer_path=data/gpt2.tiktoken train.out_dir="$W/runs" train.run_name=m7c-$mode-1000 train.sample_tokens=0 ${RUN_OVERRIDES:-} \
       2>&1 | tee "$W/run_$mode.log" | grep -E "step (1|250|500|750|1000)/|val|error|warning|done|nsa train|rank"
     python3 -m nsa report "$W/runs/m7c-$mode-1000" --out "$W/report_$mode" | tail -1
   done
