@@ -155,9 +155,9 @@ def test_training_with_torch_compile_and_activation_checkpointing(tmp_path):
         assert result.losses[step] == pytest.approx(plain.losses[step], abs=1e-4)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal; on a GPU the option runs (test below)")
 def test_cuda_graphs_on_the_cpu_are_a_one_line_error(capsys, tmp_path):
-    assert main(["train", "parallel.compile=true", "parallel.cudagraphs=true", f"train.out_dir={tmp_path}"]) == 2
+    assert main(["train", "train.device=cpu", "parallel.allow_single_process=true", "parallel.compile=true",
+                 "parallel.cudagraphs=true", f"train.out_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("nsa: error: parallel.cudagraphs=true needs a CUDA device") and err.count("\n") == 1, err
 
