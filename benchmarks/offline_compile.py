@@ -75,7 +75,7 @@ KERNELS = {
     "index_items": (inverse_index._items_kernel, dict(BLOCK=1024),
                     dict(STARTS=I32, COUNTS=I32, ITEMS=I32, ITEM_END=I32, ITEM_KEY=I32, ITEM_START=I32,
                          ITEM_COUNT=I32), ()),
-    "decode_chunk": (decode._chunk_kernel, dict(**DIMS, HP=16, K=16, C=64, R=4),
+    "decode_chunk": (decode._chunk_kernel, dict(**DIMS, HP=16, K=16, C=64, R=4, CPP=8, STAGES=3),
                      dict(Q=BF16, KC=BF16, VC=BF16, NCMP=I64, PM=F32, PL=F32, PACC=F32, PSC=F32), ("scale_log2",)),
     "decode_select_part": (decode._select_part_kernel, dict(HP=16, BLOCK_DV=64, K=16, CT=8, PT=8, PTS=64),
                            dict(PM=F32, PL=F32, PACC=F32, PSC=F32, POS=I64, PK=I64, GM=F32, GL=F32, GACC=F32), ()),

@@ -3,10 +3,11 @@
 A decode step has one query row per sequence, so one program per (sequence, key/value
 group) would leave the GPU nearly idle at batch 1. The work is split instead, in four launches
 (the group's h heads always packed into the rows of one tile):
-  A. one program per (chunk of K selection blocks, sequence, group): the compressed tokens
-     starting in the chunk give a partial softmax (local max, sum, p @ v) and, per head, their
-     Eq. 9 contributions to the chunk's selection blocks (and to the next chunk's: a compressed
-     token can reach across a chunk edge);
+  A. per chunk of K selection blocks, sequence and group: the compressed tokens starting in the
+     chunk give a partial softmax (local max, sum, p @ v) and, per head, their Eq. 9 contributions
+     to the chunk's selection blocks (and to the next chunk's: a compressed token can reach across a
+     chunk edge). A program takes 1 to 8 consecutive chunks in a pipelined loop: several where the
+     grid would otherwise hold thousands of programs (batch 16), one at batch 1;
   B. one program per (sequence, group): merges the chunks into the compressed output and lse,
      rescales every chunk's contributions to exp(s - lse), sums the heads, and keeps a running
      top-n with the forced blocks (the same int64 ranking keys as the training selection).
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from .common import LOG2E, load_tile, store_tile
 from .selection import _merge_top, _overlap, stencil_rank
+from .tuning import TUNING
 
 
 @triton.jit
@@ -41,23 +43,39 @@ def _chunk_kernel(
     sqb, sqh, scb, sct, scg,
     G, h, NCH, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+    HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CPP: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    c = tl.program_id(0)
     pid = tl.program_id(1)
     b = (pid // G).to(tl.int64)
     g = pid % G
     nc = tl.load(NCMP + b).to(tl.int32)
-    dk, dv, rh = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV), tl.arange(0, HP)
+    dk, rh = tl.arange(0, BLOCK_DK), tl.arange(0, HP)
     row_ok = rh < h
     q = load_tile(Q + b * sqb, (g * h + tl.where(row_ok, rh, 0)).to(tl.int64) * sqh, dk, row_ok, DK)
+    # CPP chunks a program, in a pipelined loop: the next chunk's keys and values load while this one's scores
+    # are computed (one chunk a program left the memory idle between a program's load and its stores).
+    c0 = tl.program_id(0) * CPP
+    for c in tl.range(c0, tl.minimum(c0 + CPP, NCH), num_stages=STAGES):
+        _chunk_partial(c, q, row_ok, KC, VC, PM, PL, PACC, PSC, b * scb + g * scg, sct, pid, nc, NCH,
+                       scale_log2, block_len, block_stride, sel_block, chunk_tokens, DK, DV, BLOCK_DK, BLOCK_DV,
+                       HP, K, C, R)
 
+
+@triton.jit
+def _chunk_partial(
+    c, q, row_ok, KC, VC, PM, PL, PACC, PSC, base, sct, pid, nc, NCH,
+    scale_log2, block_len, block_stride, sel_block, chunk_tokens,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+):
+    """Chunk c's partial softmax and Eq. 9 contributions (see A in the module docstring)."""
+    dk, dv, rh = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV), tl.arange(0, HP)
     j0 = c * K
     ci_local = tl.arange(0, C)
     ci = (j0 * sel_block) // block_stride + ci_local
     ci_ok = (ci_local < chunk_tokens) & (ci < nc)
     off = ci.to(tl.int64) * sct
-    base = b * scb + g * scg
     # Values are loaded with the keys, before the scores: one memory round trip a program, not two.
     k, v = load_tile(KC + base, off, dk, ci_ok, DK), load_tile(VC + base, off, dv, ci_ok, DV)
     s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
@@ -357,6 +375,19 @@ def _combine_kernel(
         tl.store(READS + pid, (tl.load(NCMP + b) + reads).to(tl.int64))
 
 
+def _chunks_per_program(n_chunks: int, programs: int, device: torch.device) -> int:
+    """Chunks per program of the compressed pass: doubled (up to 8) while the grid keeps
+    TUNING.decode_chunk_programs_per_sm programs per SM; 2 under the CPU interpreter, so that its tests cover
+    the loop."""
+    if device.type != "cuda":
+        return 2
+    target = TUNING.decode_chunk_programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    cpp = 1
+    while cpp < 8 and triton.cdiv(n_chunks, 2 * cpp) * programs >= target:
+        cpp *= 2
+    return cpp
+
+
 def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                             n_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, k_win: torch.Tensor,
                             v_win: torch.Tensor, positions: torch.Tensor, *, block_len: int, block_stride: int,
@@ -401,11 +432,13 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     scale_log2 = scale * LOG2E
 
     R = stencil_rank(block_len, block_stride, sel_block)
-    _chunk_kernel[(n_chunks, bg)](
+    cpp = _chunks_per_program(n_chunks, bg, q.device)
+    _chunk_kernel[(triton.cdiv(n_chunks, cpp), bg)](
         q, k_cmp, v_cmp, n_cmp, pm, pl, pacc, psc, q.stride(0), q.stride(1),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         G, h, n_chunks, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
-        **dims, HP=HP, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), R=R, **warps)
+        **dims, HP=HP, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), R=R, CPP=cpp,
+        STAGES=TUNING.decode_chunk_stages, **warps)
     CT = 8  # chunks per ranking tile
     n_groups = triton.cdiv(n_chunks, CT)
     if n_groups > 1:

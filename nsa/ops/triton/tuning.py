@@ -142,6 +142,13 @@ class Tuning:
     window_grads_beside: bool = True
     """With branch_streams, the window branch's dK/dV goes to that stream too, beside the selected branch's
     backward and dQ."""
+    decode_chunk_programs_per_sm: int = 1
+    """The decode kernel's compressed pass gives each program 2, 4 or 8 chunks of compressed tokens (a pipelined
+    loop) while at least this many programs per SM remain. H100, M7C, batch 16 (benchmarks/decode_variants.py):
+    the pass took 22.1 us at 64k with one chunk a program (2,048 programs), 20.2 with 4, 18.6 with 8 (256
+    programs); at 128k 40.5 with one, 37.9 with 8. Batch 1 keeps one (8 chunks: 3.2 -> 13 us)."""
+    decode_chunk_stages: int = 3
+    """Chunks in flight in that loop (H100, 128k x 16, 8 chunks a program: 3 stages 34.6 us, 2 38.4, 1 45.3)."""
     inverse_chunk: int = 256
     """(query, slot) entries per work item of the block-centric selected-branch kernels (4 under the interpreter)."""
 
