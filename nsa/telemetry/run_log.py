@@ -19,8 +19,9 @@ from .metrics import MetricsCSV
 
 METRIC_FIELDS = ["step", "tokens", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "mem_gb",
                  "data_wait"]
-"""metrics.csv columns: mem_gb is the peak GPU memory allocated since the previous row; data_wait is the share
-of the time since the previous row that the training thread spent waiting for batches."""
+"""metrics.csv columns: mem_gb is the peak GPU memory allocated since the previous row (reserved, under
+parallel.cudagraphs: see nsa.train.loop.peak_memory_gb); data_wait is the share of the time since the previous row
+that the training thread spent waiting for batches."""
 
 
 class RunLog:
