@@ -84,6 +84,20 @@ def test_triton_decode_ranks_many_chunk_groups_like_the_pytorch_path(capacity, p
     # parallel ranking, and 66 chunks, 9 groups: more than the 8 lists the merge takes at once. 8-token
     # compressed blocks over 2-token selection blocks give every token four overlaps; 4 over 4 is the case where
     # Eq. 9 is two weights per rank (M7C's), with a spill from each block into the next, across chunk edges too.
+    _check_ranking(capacity, positions, block_len, sel_block)
+
+
+@torch.no_grad()
+def test_triton_decode_with_eight_chunks_a_program_matches_the_pytorch_path(monkeypatch):
+    # At batch 16 a program of the compressed pass walks up to 8 chunks in a pipelined loop (1 on the GPU at these
+    # sizes, 2 under the interpreter): 66 chunks make 9 programs a (sequence, group), the last with 2 chunks.
+    import nsa.ops.triton.decode as kernels
+
+    monkeypatch.setattr(kernels, "_chunks_per_program", lambda n_chunks, programs, device: 8)
+    _check_ranking(2100, [700, 1500, 2099], block_len=4, sel_block=4)
+
+
+def _check_ranking(capacity, positions, block_len, sel_block):
     capacity, positions = capacity * sel_block // 2, [p * sel_block // 2 for p in positions]
     model = model_for(6, 1, block_len=block_len, block_stride=2, sel_block=sel_block, n_sel=8, window=100)
     layer, t = random_layer_cache(model, positions, seed=11, capacity=capacity)
