@@ -77,7 +77,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     from .inference.generate import generate_text, load_for_inference
 
     generate_text(load_for_inference(ns.checkpoint, ns.device), ns.prompt, ns.max_new_tokens,
-                  temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, max_context=ns.max_context)
+                  temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, max_context=ns.max_context,
+                  compile=ns.compile)
     return 0
 
 
@@ -220,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run (auto: cuda if present)")
     p.add_argument("--max-context", type=int, default=0, help="tokens the prompt plus the continuation may fill "
                    "(0: the checkpoint's train.seq_len)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step first: on an H100 ~2x faster per token (M7C at 4k: 0.72 "
+                        "against 1.56 ms) after about a minute of compiling; for long or many generations")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser(

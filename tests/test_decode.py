@@ -300,6 +300,17 @@ def test_nsa_generate_streams_the_greedy_continuation_of_a_trained_checkpoint(ru
     assert pieces[0] == PROMPT and "".join(pieces) == printed and len(pieces) > 2  # streamed piece by piece
 
 
+def test_nsa_generate_compiled_writes_the_same_greedy_text(run_dir, capsys, monkeypatch):
+    compiled, real_compile = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw))
+    args = ["generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0",
+            "--device", "cpu"]
+    assert main(args) == 0 and not compiled
+    eager = capsys.readouterr().out
+    assert main(args + ["--compile"]) == 0 and len(compiled) == 1
+    assert capsys.readouterr().out == eager and len(eager) > len(PROMPT) + 1
+
+
 def test_nsa_generate_samples_with_a_seed(run_dir, capsys):
     args = ["generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "20", "--temperature", "0.9",
             "--top-p", "0.9", "--top-k", "40", "--seed", "3"]
