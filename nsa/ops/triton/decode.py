@@ -54,7 +54,7 @@ def _chunk_kernel(
     row_ok = rh < h
     q = load_tile(Q + b * sqb, (g * h + tl.where(row_ok, rh, 0)).to(tl.int64) * sqh, dk, row_ok, DK)
     # CPP chunks a program, in a pipelined loop: the next chunk's keys and values load while this one's scores
-    # are computed (one chunk a program left the memory idle between a program's load and its stores).
+    # are computed (H100, 64k x 16: 22.1 us with one chunk a program, 18.6 with 8; see Tuning).
     c0 = tl.program_id(0) * CPP
     for c in tl.range(c0, tl.minimum(c0 + CPP, NCH), num_stages=STAGES):
         _chunk_partial(c, q, row_ok, KC, VC, PM, PL, PACC, PSC, b * scb + g * scg, sct, pid, nc, NCH,
