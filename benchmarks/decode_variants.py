@@ -25,6 +25,12 @@ from nsa.bench.common import graphed
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/decode.py"
 HEADS, GROUPS, DIM = 12, 2, 64
 HYPER = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512, scale=DIM**-0.5)
+ONE_CHUNK = ("cpp = _chunks_per_program(n_chunks, bg, q.device)", "cpp = 1")
+NO_EQ9 = [  # the compressed pass with zero selection scores (R = -1 selects the edit's branch)
+    ("    if R > 0:\n        # R compressed",
+     "    if R == -1:\n        sc_cur = tl.zeros([HP, K], tl.float32)\n        sc_nxt = sc_cur\n    elif R > 0:\n        # R compressed"),
+    ("C=max(16, triton.next_power_of_2(chunk_tokens)), R=R,", "C=max(16, triton.next_power_of_2(chunk_tokens)), R=-1,"),
+]
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "as shipped": [],
     "ranking kernels 4 warps": [("rank_warps = dict(num_warps=2 if", "rank_warps = dict(num_warps=4 if")],
@@ -40,24 +46,15 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
          "    v = load_tile(vp, off, dv, ok, DV)\n    row"),
     ],
     "general overlaps (no two-weight stencil)": [("R = stencil_rank(block_len, block_stride, sel_block)", "R = 0")],
-    "compressed pass: one chunk a program": [("cpp = _chunks_per_program(n_chunks, bg, q.device)", "cpp = 1")],
+    "compressed pass: one chunk a program": [ONE_CHUNK],
     "compressed pass: 2 chunks a program": [("cpp = _chunks_per_program(n_chunks, bg, q.device)", "cpp = 2")],
     "compressed pass: 8 chunks a program": [("cpp = _chunks_per_program(n_chunks, bg, q.device)", "cpp = 8")],
     "compressed pass: 2 stages": [("STAGES=TUNING.decode_chunk_stages", "STAGES=2")],
     "compressed pass: 1 stage": [("STAGES=TUNING.decode_chunk_stages", "STAGES=1")],
     # Diagnostics (not checked against the shipped choices): what each part of the compressed pass costs.
-    "diag: pass without Eq. 9": [
-        ("    if R > 0:\n        # R compressed",
-         "    if R == -1:\n        sc_cur = tl.zeros([HP, K], tl.float32)\n        sc_nxt = sc_cur\n"
-         "    elif R > 0:\n        # R compressed"),
-        ("C=max(16, triton.next_power_of_2(chunk_tokens)), R=R,", "C=max(16, triton.next_power_of_2(chunk_tokens)), R=-1,")],
+    "diag: pass without Eq. 9": NO_EQ9,
     "diag: pass without p @ v": [("acc = tl.dot(p.to(v.dtype), v)", "acc = tl.zeros([HP, BLOCK_DV], tl.float32)")],
-    "diag: pass with one chunk, without Eq. 9": [
-        ("cpp = _chunks_per_program(n_chunks, bg, q.device)", "cpp = 1"),
-        ("    if R > 0:\n        # R compressed",
-         "    if R == -1:\n        sc_cur = tl.zeros([HP, K], tl.float32)\n        sc_nxt = sc_cur\n"
-         "    elif R > 0:\n        # R compressed"),
-        ("C=max(16, triton.next_power_of_2(chunk_tokens)), R=R,", "C=max(16, triton.next_power_of_2(chunk_tokens)), R=-1,")],
+    "diag: pass with one chunk, without Eq. 9": [ONE_CHUNK, *NO_EQ9],
 }
 COLUMNS = ["variant", "batch", "us", "kernels_us"]
 

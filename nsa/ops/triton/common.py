@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -62,3 +63,8 @@ def head_dims(dk: int, dv: int) -> dict:
     """Constexpr head dims and their power-of-two tile widths (at least 16 for tl.dot)."""
     return dict(DK=dk, DV=dv, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
                 BLOCK_DV=max(16, triton.next_power_of_2(dv)))
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 off CUDA: the interpreter's stand-in, for launch sizing)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4

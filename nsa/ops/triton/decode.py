@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, load_tile, store_tile
+from .common import LOG2E, load_tile, num_sms, store_tile
 from .selection import _merge_top, _overlap, stencil_rank
 from .tuning import TUNING
 
@@ -381,7 +381,7 @@ def _chunks_per_program(n_chunks: int, programs: int, device: torch.device) -> i
     the loop."""
     if device.type != "cuda":
         return 2
-    target = TUNING.decode_chunk_programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    target = TUNING.decode_chunk_programs_per_sm * num_sms(device)
     cpp = 1
     while cpp < 8 and triton.cdiv(n_chunks, 2 * cpp) * programs >= target:
         cpp *= 2

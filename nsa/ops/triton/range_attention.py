@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
+from .common import LOG2E, head_dims, load_grad_rows, load_tile, num_sms, softmax_finish, softmax_step, store_tile
 from .hopper_backward import hopper_backward_config, hopper_backward_supports, range_attention_dkdv_hopper
 from .hopper_forward import hopper_forward_supports, range_attention_fwd_hopper
 from .tuning import TUNING
@@ -361,10 +361,6 @@ def _range_bwd_dkdv_kernel(
 # ---------------------------------------------------------------- launchers
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _blocks(q: torch.Tensor, dk: int, dv: int, kernel: str = "fwd") -> dict:
     """Tile sizes of the forward, dQ or dK/dV kernel (query rows x key step; dK/dV: row step x keys)."""
     if q.device.type != "cuda":
@@ -449,7 +445,7 @@ def _dkdv_splits(total_rows: int, key_tiles: int, programs: int, block_m: int, d
     """(splits, rows per split) of the dK/dV kernel: a compressed or selected key tile is seen by most later
     queries, so its rows are shared by several programs (float32 atomics add their sums) to fill the GPU."""
     per_split = TUNING.cmp_rows_per_split if device.type == "cuda" else 32  # several splits in CPU tests too
-    fill = triton.cdiv(TUNING.dkdv_programs_per_sm * _num_sms(device), max(1, key_tiles * programs))
+    fill = triton.cdiv(TUNING.dkdv_programs_per_sm * num_sms(device), max(1, key_tiles * programs))
     rows_per_split = max(block_m, min(per_split, triton.cdiv(total_rows, fill)))
     rows_per_split = triton.cdiv(rows_per_split, block_m) * block_m
     return max(1, triton.cdiv(total_rows, rows_per_split)), rows_per_split
