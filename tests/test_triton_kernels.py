@@ -127,6 +127,86 @@ def test_a_forward_without_gradients_skips_the_inverse_index_a_block_centric_bac
         torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
 
 
+class _LaunchSpy:
+    """Stands in for a @triton.jit kernel: records each launch's grid and constexpr keywords, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.fixture
+def small_splits(monkeypatch):
+    """Split dK/dV rows and several work items a block at these tiny shapes on a GPU too (the CPU defaults)."""
+    for field, value in (("cmp_rows_per_split", 32), ("dkdv_block_m", 16), ("inverse_chunk", 4)):
+        monkeypatch.setattr(tuning.TUNING, field, value)
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """The split dK/dV kernel's and the selected backward's launches, by kernel name."""
+    from nsa.ops.triton import range_attention, selected_attention
+
+    found = {}
+    for module, name in ((range_attention, "_range_bwd_dkdv_kernel"), (selected_attention, "_sel_bwd_kernel")):
+        found[name] = _LaunchSpy(getattr(module, name))
+        monkeypatch.setattr(module, name, found[name])
+    return found
+
+
+@pytest.fixture
+def deterministic_mode():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+# Block-centric (h = 3) and per-query (h = 16) selected branches, and the tiled one (MODE_SEL's split rows).
+DETERMINISTIC_CASES = [("gathered", CASES[2]), ("gathered", CASES[4]), ("tiled", CASES[4])]
+
+
+@pytest.mark.parametrize("sel_path,case", DETERMINISTIC_CASES, ids=["gathered-h3", "gathered-h16", "tiled-h16"])
+def test_deterministic_mode_adds_no_atomics_matches_the_reference_and_repeats_bit_for_bit(sel_path, case,
+                                                                                        deterministic_mode,
+                                                                                        small_splits, spies,
+                                                                                        monkeypatch):
+    # Deterministic mode: the dK/dV kernels' row splits and the selected branch's work items write partial sums
+    # that are added in a fixed order, where otherwise float32 atomics add them in whatever order they land.
+    for field in ("tiled_max_blocks", "tiled_max_blocks_large_groups", "tiled_max_blocks_forward"):
+        monkeypatch.setattr(tuning.TUNING, field, 10**9 if sel_path == "tiled" else 0)
+    B, T, H, G, Dk, Dv, l, d, lp, n, w = case
+    hp = dict(block_len=l, block_stride=d, sel_block=lp, n_sel=n, window=w)
+    ins = inputs(B, T, H, G, Dk, Dv, block_len=l, block_stride=d, seed=T, requires_grad=True)
+    ref = nsa_attention(*ins, **hp, backend="reference")
+    do = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, ins, do)
+    runs = [torch.autograd.grad(nsa_attention(*ins, **hp, backend="triton"), ins, do) for _ in range(2)]
+    for name, g, again, r in zip(NAMES, *runs, ref_grads):
+        torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
+        assert torch.equal(g, again), f"d{name} differs between two deterministic runs"
+    split_launches = [kw for grid, kw in spies["_range_bwd_dkdv_kernel"].launches if grid[1] > 1]
+    assert split_launches and not any(kw["ATOMIC"] for kw in split_launches)
+    item_launches = spies["_sel_bwd_kernel"].launches
+    assert all(kw["PARTIALS"] for _, kw in item_launches)
+    assert item_launches or sel_path == "tiled"
+
+
+def test_without_deterministic_mode_split_rows_and_items_add_atomically(small_splits, spies, monkeypatch):
+    monkeypatch.setattr(tuning.TUNING, "tiled_max_blocks", 0)
+    B, T, H, G, Dk, Dv, l, d, lp, n, w = CASES[2]
+    hp = dict(block_len=l, block_stride=d, sel_block=lp, n_sel=n, window=w)
+    ins = inputs(B, T, H, G, Dk, Dv, block_len=l, block_stride=d, seed=T, requires_grad=True)
+    out = nsa_attention(*ins, **hp, backend="triton")
+    torch.autograd.grad(out, ins, torch.randn_like(out))
+    assert any(kw["ATOMIC"] for grid, kw in spies["_range_bwd_dkdv_kernel"].launches if grid[1] > 1)
+    assert spies["_sel_bwd_kernel"].launches and not any(kw["PARTIALS"] for _, kw in spies["_sel_bwd_kernel"].launches)
+
+
 def test_triton_nsa_in_half_precision(sel_path):
     hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
     ins = inputs(1, 33, 4, 2, 16, 16, block_len=8, block_stride=4, seed=1, dtype=torch.float16, requires_grad=True)

@@ -112,6 +112,15 @@ def _agreed(info: DistInfo, build):
     return result
 
 
+def use_deterministic_algorithms(on: bool) -> None:
+    """train.deterministic: PyTorch's deterministic mode, which NSA's kernels follow too (nsa.ops.triton.common)."""
+    if on:
+        # cuBLAS gives the same bits run to run only with a fixed workspace configuration, which it reads from the
+        # environment when a handle is created (and PyTorch's deterministic mode refuses matmuls without it).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, info: DistInfo):
         self.info = info
@@ -121,6 +130,7 @@ class Trainer:
         if info.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        use_deterministic_algorithms(t.deterministic)
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         self.tokenizer = _agreed(info, lambda: get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path))
         self.cfg = cfg = resolve_vocab(cfg, self.tokenizer)

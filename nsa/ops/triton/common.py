@@ -68,3 +68,10 @@ def head_dims(dk: int, dv: int) -> dict:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (4 off CUDA: the interpreter's stand-in, for launch sizing)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def deterministic() -> bool:
+    """Whether PyTorch's deterministic mode is on (torch.use_deterministic_algorithms; `train.deterministic`): the
+    backward kernels then write per-program partial sums that are added in a fixed order, instead of adding them
+    into one buffer with float32 atomics, whose order (and so rounding) varies from run to run."""
+    return torch.are_deterministic_algorithms_enabled()

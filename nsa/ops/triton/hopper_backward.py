@@ -140,7 +140,7 @@ def _store_grad(OUT, acc, b, g, key0, NK, sb, st, sg, D: gl.constexpr, BLOCK_N: 
 @gluon.jit
 def _range_dkdv_hopper(
     Q, DO, k_desc, v_desc, LSE, DELTA, DKo, DVo, BITS,
-    sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sbb, sbt, sbg,
+    sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sdks, sdvs, sbb, sbt, sbg,
     T, NK, G, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
     h: gl.constexpr, MODE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, ATOMIC: gl.constexpr, num_warps: gl.constexpr,
@@ -148,6 +148,9 @@ def _range_dkdv_hopper(
     pid_n = gl.program_id(0)
     pid_split = gl.program_id(1)
     pid_bg = gl.program_id(2)
+    # Each split's own slice of the outputs in deterministic mode (sdks, sdvs), else 0.
+    DKo = DKo + pid_split.to(gl.int64) * sdks
+    DVo = DVo + pid_split.to(gl.int64) * sdvs
     b32 = pid_bg // G  # TMA coordinates are 32-bit; pointer offsets use b, 64-bit
     b = b32.to(gl.int64)
     g = pid_bg % G
@@ -273,15 +276,17 @@ def hopper_backward_config(d: int) -> dict:
 def range_attention_dkdv_hopper(q, k, v, do, lse, delta, dk_out, dv_out, mode: int, scale: float, block_len: int,
                                 block_stride: int, window: int, bits, bit_strides: tuple, sel_block: int,
                                 splits: int, rows_per_split: int) -> None:
-    """range_attention_dkdv's kernel on Hopper, writing (or, with splits > 1, adding to) dk_out and dv_out."""
+    """range_attention_dkdv's kernel on Hopper. dk_out and dv_out are [parts, *k.shape]: with one part, splits > 1
+    add into it (float32, zeroed) and a single split writes it; with `splits` parts, each split writes its own."""
     B, T, H, D = q.shape
     NK, G = k.shape[1], k.shape[2]
     cfg = hopper_backward_config(D)
     grid = (-(-NK // cfg["BLOCK_N"]), splits, B * G)
+    parts = dk_out.shape[0]
     _range_dkdv_hopper[grid](
         q, do, _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]), lse, delta, dk_out, dv_out, bits,
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
-        dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
+        *dk_out.stride()[1:4], *dv_out.stride()[1:4], *((dk_out.stride(0), dv_out.stride(0)) if parts > 1 else (0, 0)),
         *bit_strides, T, NK, G, scale * 1.4426950408889634, scale, block_len, block_stride, window,
-        max(sel_block, 1), rows_per_split, h=H // G, MODE=mode, D=D, ATOMIC=splits > 1, **cfg,
+        max(sel_block, 1), rows_per_split, h=H // G, MODE=mode, D=D, ATOMIC=splits > parts, **cfg,
     )

@@ -113,7 +113,7 @@ def _sel_bwd_hopper(
     sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
     T, G, NS, scale_log2, scale,
     n: gl.constexpr, h: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, WRITE_DQ: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, WRITE_DQ: gl.constexpr, num_warps: gl.constexpr, PARTIALS: gl.constexpr = False,
 ):
     item = gl.program_id(0)
     count = gl.load(ITEM_COUNT + item)
@@ -210,9 +210,14 @@ def _sel_bwd_hopper(
                 dv_acc, dk_acc, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_acc, dk_acc, pt_op, ds_op))
         async_copy.wait_group(0)
         mbarrier.invalidate(kv_bar)
-        # Blocks chosen by more queries than one item holds have several items: relaxed float32 atomics.
-        _store_grad(DKo, dk_acc * scale, b, g, k_first, T, sdkb, sdkt, sdkg, D, BLOCK_N, True, num_warps)
-        _store_grad(DVo, dv_acc, b, g, k_first, T, sdvb, sdvt, sdvg, D, BLOCK_N, True, num_warps)
+        if PARTIALS:  # deterministic mode: the item's own [BLOCK_N, D] slot (selected_attention sums the slots)
+            slot = item.to(gl.int64) * (BLOCK_N * D)
+            _store_grad(DKo + slot, dk_acc * scale, 0, 0, 0, BLOCK_N, 0, D, 0, D, BLOCK_N, False, num_warps)
+            _store_grad(DVo + slot, dv_acc, 0, 0, 0, BLOCK_N, 0, D, 0, D, BLOCK_N, False, num_warps)
+        else:
+            # Blocks chosen by more queries than one item holds have several items: relaxed float32 atomics.
+            _store_grad(DKo, dk_acc * scale, b, g, k_first, T, sdkb, sdkt, sdkg, D, BLOCK_N, True, num_warps)
+            _store_grad(DVo, dv_acc, b, g, k_first, T, sdvb, sdvt, sdvg, D, BLOCK_N, True, num_warps)
 
 
 def hopper_selected_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
@@ -229,9 +234,10 @@ def hopper_selected_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def selected_backward_hopper(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, inverse, scale: float, n: int,
-                             write_dq: bool) -> None:
-    """_sel_bwd_kernel's work on Hopper: adds the blocks' dK/dV into dk_out/dv_out (float32, zeroed) and, with
-    write_dq, writes the rows' dQ shares into dqpart."""
+                             write_dq: bool, partials: bool = False) -> None:
+    """_sel_bwd_kernel's work on Hopper: adds the blocks' dK/dV into dk_out/dv_out (float32, zeroed), or with
+    `partials` writes each item's to its slot of dk_out/dv_out [items, BLOCK_N, D]; with write_dq, writes the rows'
+    dQ shares into dqpart."""
     B, T, H, D = q.shape
     G = k.shape[2]
     item_key, item_start, item_count, entries = inverse
@@ -242,5 +248,5 @@ def selected_backward_hopper(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, in
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
         dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
         T, G, -(-T // cfg["BLOCK_N"]), scale * LOG2E, scale, n=n, h=H // G, D=D,
-        WRITE_DQ=write_dq, **cfg,
+        WRITE_DQ=write_dq, PARTIALS=partials, **cfg,
     )

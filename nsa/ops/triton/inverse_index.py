@@ -79,7 +79,7 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
     entries[item_start[i] : item_start[i] + item_count[i]], flat indices into
     indices.permute(0, 2, 1, 3) ([B,G,T,n]) of queries that selected block j of key
     (b * G + g) * Ns + j, ascending in t. The number of items is a bound known on the
-    host (no sync); unused items have count 0.
+    host (no sync); unused items have count 0 and key B * G * Ns, so item_key ascends.
     """
     B, T, G, n = indices.shape
     total, n_keys = B * G * T * n, B * G * num_sel_blocks
@@ -96,7 +96,9 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
                              STEPS=max(1, total.bit_length()), BLOCK=_BLOCK)
     item_end = torch.cumsum(items, 0, dtype=torch.int32)
     max_items = total // chunk + n_keys
-    item_key = torch.empty(max_items, device=dev, dtype=torch.int32)
+    # Unused items keep key n_keys, past every real one: item_key ascends over the whole array, so a key's items
+    # can be found by binary search (the deterministic backward's sums, selected_attention.py).
+    item_key = torch.full((max_items,), n_keys, device=dev, dtype=torch.int32)
     item_start = torch.empty_like(item_key)
     item_count = torch.zeros_like(item_key)
     _items_kernel[grid](starts, counts, items, item_end, item_key, item_start, item_count, n_keys, chunk,

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, head_dims, load_grad_rows, load_tile, num_sms, softmax_finish, softmax_step, store_tile
+from .common import (LOG2E, deterministic, head_dims, load_grad_rows, load_tile, num_sms, softmax_finish,
+                     softmax_step, store_tile)
 from .hopper_backward import hopper_backward_config, hopper_backward_supports, range_attention_dkdv_hopper
 from .hopper_forward import hopper_forward_supports, range_attention_fwd_hopper
 from .tuning import TUNING
@@ -287,7 +288,7 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h: tl.co
 def _range_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DKo, DVo, IDX,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
-    sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sib, sit, sig,
+    sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sdks, sdvs, sib, sit, sig,
     T, NK, G, h: tl.constexpr, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
     MODE: tl.constexpr, ATOMIC: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -344,8 +345,9 @@ def _range_bwd_dkdv_kernel(
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
                                 True, MODE, ONE_BLOCK, DK, DV, BLOCK_M)
     dk_acc = dk_acc * scale
-    dk_off = b * sdkb + g * sdkg + kidx * sdkt
-    dv_off = b * sdvb + g * sdvg + kidx * sdvt
+    # sdks/sdvs: each split's own slice of the outputs (deterministic mode), 0 where splits add into one.
+    dk_off = pid_split * sdks + b * sdkb + g * sdkg + kidx * sdkt
+    dv_off = pid_split * sdvs + b * sdvb + g * sdvg + kidx * sdvt
     if ATOMIC:  # several splits add into the same keys (float32, zero-initialised)
         # Relaxed: a sum needs no ordering, and Triton's default (acq_rel) fences the whole GPU around each add.
         if row_start < split_hi:
@@ -453,8 +455,8 @@ def _dkdv_splits(total_rows: int, key_tiles: int, programs: int, block_m: int, d
 
 def range_attention_dkdv(q, k, v, do, lse, delta, mode: int, scale: float, block_len: int, block_stride: int,
                          window: int, bits: torch.Tensor | None = None, sel_block: int = 0):
-    """(dK, dV) of one branch (its dQ is query_grad's): float32 where programs split the rows (atomic sums),
-    else in k's type.
+    """(dK, dV) of one branch (its dQ is query_grad's): float32 where programs split the rows (atomic sums, or in
+    deterministic mode partial sums added in a fixed order), else in k's type.
 
     do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
     gating.gate_grads (lse - ln(gate), rowsum(do * o_branch)).
@@ -477,20 +479,27 @@ def range_attention_dkdv(q, k, v, do, lse, delta, mode: int, scale: float, block
         splits, rows_per_split = 1, T * h
     else:
         splits, rows_per_split = _dkdv_splits(T * h, key_tiles, B * G, cfg["BLOCK_M"], q.device)
-    # Atomic sums need float32; a tile stored once is rounded to the inputs' type in the kernel (saving the
-    # conversion pass over dK and dV a float32 result would need).
-    alloc = torch.zeros if splits > 1 else torch.empty
+    # Several splits: float32 atomic sums into one zeroed buffer, or in deterministic mode each split's partial in
+    # its own slice (every program writes its slice), summed afterwards in split order. One split: a tile stored
+    # once, rounded to the inputs' type in the kernel (saving the conversion pass a float32 result would need).
+    parts = splits if splits > 1 and deterministic() else 1
+    alloc = torch.zeros if splits > parts else torch.empty
     dtype = torch.float32 if splits > 1 else k.dtype
-    dk_out = alloc(k.shape, device=k.device, dtype=dtype)
-    dv_out = alloc(v.shape, device=v.device, dtype=dtype)
+    dk_out = alloc((parts, *k.shape), device=k.device, dtype=dtype)
+    dv_out = alloc((parts, *v.shape), device=v.device, dtype=dtype)
     if NK > 0 and hopper:
         range_attention_dkdv_hopper(q, k, v, do, lse, delta, dk_out, dv_out, mode, scale, block_len, block_stride,
                                     window, idx, idx_strides, sel, splits, rows_per_split)
     elif NK > 0:
         _range_bwd_dkdv_kernel[(key_tiles, splits, B * G)](
             q, k, v, do, lse, delta, dk_out, dv_out, idx, *strides,
-            dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-            *idx_strides, *common, rows_per_split, ATOMIC=splits > 1,
+            *dk_out.stride()[1:4], *dv_out.stride()[1:4], *_split_strides(dk_out, dv_out),
+            *idx_strides, *common, rows_per_split, ATOMIC=splits > parts,
             ONE_BLOCK=sel % cfg["BLOCK_N"] == 0, **dims, **cfg,
         )
-    return dk_out, dv_out
+    return (dk_out.sum(0), dv_out.sum(0)) if parts > 1 else (dk_out[0], dv_out[0])
+
+
+def _split_strides(dk_out: torch.Tensor, dv_out: torch.Tensor) -> tuple[int, int]:
+    """Stride between splits' slices of the [splits, *k.shape] outputs: 0 where they share one slice."""
+    return tuple(t.stride(0) if t.shape[0] > 1 else 0 for t in (dk_out, dv_out))

@@ -32,11 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step, store_tile
+from .common import (LOG2E, deterministic, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step,
+                     store_tile)
 from .hopper_selected_backward import hopper_selected_backward_supports, selected_backward_hopper
 from .hopper_selected_forward import (hopper_selected_forward_eligible, hopper_selected_forward_supports,
                                       selected_forward_hopper)
-from .inverse_index import inverse_index
+from .inverse_index import _lower_bound, inverse_index
 from .query_grad import SEL_DENSE, SEL_PARTS, SEL_TILED, SelectedDQ
 from .range_attention import MODE_SEL, chosen_bits, range_attention_dkdv, range_attention_fwd
 from .tuning import TUNING
@@ -320,7 +321,7 @@ def _sel_bwd_kernel(
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
     T, G, NS, n: tl.constexpr, h: tl.constexpr, scale_log2, scale, sel_block,
     WRITE_DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr, PARTIALS: tl.constexpr = False,
 ):
     item = tl.program_id(0)
     count = tl.load(ITEM_COUNT + item)
@@ -347,15 +348,61 @@ def _sel_bwd_kernel(
             dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2,
             sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, scale_log2, scale, dk, dv, n, h, WRITE_DQ, DK, DV, BLOCK_R,
             False)
-        # Relaxed atomics: see range_attention's dK/dV kernel (measured 5.21 -> 4.80 ms here at M7C 64k, H100).
-        kidx = pos.to(tl.int64)
-        tl.atomic_add(DKo + (b * sdkb + g * sdkg + kidx * sdkt)[:, None] + dk[None, :], dk_acc * scale,
-                      mask=k_ok[:, None] & (dk[None, :] < DK), sem="relaxed")
-        tl.atomic_add(DVo + (b * sdvb + g * sdvg + kidx * sdvt)[:, None] + dv[None, :], dv_acc,
-                      mask=k_ok[:, None] & (dv[None, :] < DV), sem="relaxed")
+        if PARTIALS:  # deterministic mode: the item's own [BLOCK_L, D] slot, summed by _sum_item_partials_kernel
+            lk = tl.arange(0, BLOCK_L).to(tl.int64)
+            store_tile(DKo + item.to(tl.int64) * (BLOCK_L * DK), lk * DK, dk, lk < BLOCK_L, dk_acc * scale, DK)
+            store_tile(DVo + item.to(tl.int64) * (BLOCK_L * DV), lk * DV, dv, lk < BLOCK_L, dv_acc, DV)
+        else:
+            # Relaxed atomics: see range_attention's dK/dV kernel (measured 5.21 -> 4.80 ms here at M7C 64k, H100).
+            kidx = pos.to(tl.int64)
+            tl.atomic_add(DKo + (b * sdkb + g * sdkg + kidx * sdkt)[:, None] + dk[None, :], dk_acc * scale,
+                          mask=k_ok[:, None] & (dk[None, :] < DK), sem="relaxed")
+            tl.atomic_add(DVo + (b * sdvb + g * sdvg + kidx * sdvt)[:, None] + dv[None, :], dv_acc,
+                          mask=k_ok[:, None] & (dv[None, :] < DV), sem="relaxed")
+
+
+@triton.jit
+def _sum_item_partials_kernel(PART, ITEM_KEY, OUT, so_b, so_t, so_g, n_items, T, G, NS, sel_block,
+                              D: tl.constexpr, BLOCK_L: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                              STEPS: tl.constexpr):
+    """Deterministic mode: block key's dK (or dV) rows [r0, r0 + ROWS) as the sum, in item order, of its work
+    items' partials PART [n_items, BLOCK_L, D] (float32); a block nobody chose gets 0. A key's items are
+    consecutive in the inverse index, and its item_key ascends (unused items hold the largest key)."""
+    key = tl.program_id(0)
+    r0 = tl.program_id(1) * ROWS
+    ends = _lower_bound(ITEM_KEY, n_items, key + tl.arange(0, 2), STEPS)  # the key's first item, and the next key's
+    first = tl.sum(tl.where(tl.arange(0, 2) == 0, ends, 0))
+    stop = tl.sum(tl.where(tl.arange(0, 2) == 1, ends, 0))
+    r = r0 + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    off = r[:, None] * D + d[None, :]
+    ok = (r < BLOCK_L)[:, None] & (d < D)[None, :]
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    ptr = PART + first.to(tl.int64) * (BLOCK_L * D) + off
+    for _ in tl.range(first, stop, num_stages=3):
+        acc += tl.load(ptr, mask=ok, other=0.0)
+        ptr += BLOCK_L * D
+    j = key % NS
+    bg = key // NS
+    pos = j * sel_block + r
+    row_ok = (r < sel_block) & (pos < T)
+    store_tile(OUT + (bg // G).to(tl.int64) * so_b + (bg % G) * so_g, pos.to(tl.int64) * so_t, d, row_ok, acc, D)
 
 
 # ---------------------------------------------------------------- launchers
+
+
+def _sum_item_partials(part: torch.Tensor, item_key: torch.Tensor, out: torch.Tensor, T: int, G: int, sel_block: int,
+                       block_l: int) -> None:
+    """out [B, T, G, D] (float32) <- per block, its items' partials part [n_items, block_l, D], in item order."""
+    B, D = out.shape[0], out.shape[-1]
+    NS = -(-T // sel_block)
+    rows = min(block_l, 16) if out.is_cuda else block_l
+    n_items = item_key.numel()
+    _sum_item_partials_kernel[(B * G * NS, -(-block_l // rows))](
+        part, item_key, out, out.stride(0), out.stride(1), out.stride(2), n_items, T, G, NS, sel_block,
+        D=D, BLOCK_L=block_l, ROWS=rows, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        STEPS=max(1, n_items.bit_length()), num_warps=4 if out.is_cuda else 1)
 
 
 def _item_launch(q: torch.Tensor, dv: int) -> dict:
@@ -477,18 +524,28 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, s
     if token and inverse[0].numel() == 0:  # its dK/dV is block-centric too; a per-query forward built no index
         inverse = build_inverse_index(indices, T, sel_block)
     item_key, item_start, item_count, entries = inverse
+    partials = deterministic()
     dk_out = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     dv_out = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    # Deterministic mode: every item writes its block's partial dK/dV to a slot of its own, summed below in item
+    # order, instead of adding it atomically into dk_out/dv_out (what several items of one block would race on).
+    launch = _block_launch(sel_block)
+    dk_acc, dv_acc = ((torch.empty(item_key.numel(), launch["BLOCK_L"], x.shape[-1], device=x.device,
+                                   dtype=torch.float32) for x in (k, v)) if partials else (dk_out, dv_out))
     dqpart = q if token else torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
     if hopper_selected_backward_supports(q, k, v, do, sel_block, write_dq=not token):
-        selected_backward_hopper(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, inverse, scale, n, not token)
+        selected_backward_hopper(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, scale, n, not token,
+                                 partials)
     else:
         _sel_bwd_kernel[(item_key.numel(),)](
-            q, k, v, do, lse, delta, dk_out, dv_out, dqpart, item_key, item_start, item_count, entries,
+            q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, item_key, item_start, item_count, entries,
             *_strides(q, k, v, do), *lse.stride()[:2], *_strides(dk_out, dv_out),
             T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block, WRITE_DQ=not token,
-            **head_dims(Dk, Dv), **_block_launch(sel_block), **_item_launch(q, Dv),
+            **head_dims(Dk, Dv), **launch, **_item_launch(q, Dv), PARTIALS=partials,
         )
+    if partials:
+        for part, out in ((dk_acc, dk_out), (dv_acc, dv_out)):
+            _sum_item_partials(part, item_key, out, T, G, sel_block, launch["BLOCK_L"])
     if not token:
         return dk_out, dv_out, SelectedDQ(SEL_PARTS, choice=indices, parts=dqpart)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
