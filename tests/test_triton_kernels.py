@@ -196,6 +196,16 @@ def test_deterministic_mode_adds_no_atomics_matches_the_reference_and_repeats_bi
     assert item_launches or sel_path == "tiled"
 
 
+def test_unfilled_lifts_the_nan_fill_of_deterministic_mode_and_restores_it():
+    from nsa.ops.triton.common import unfilled
+
+    with pytest.raises(ValueError):
+        with unfilled():
+            assert torch.utils.deterministic.fill_uninitialized_memory is False
+            raise ValueError
+    assert torch.utils.deterministic.fill_uninitialized_memory is True
+
+
 def test_without_deterministic_mode_split_rows_and_items_add_atomically(small_splits, spies, monkeypatch):
     monkeypatch.setattr(tuning.TUNING, "tiled_max_blocks", 0)
     B, T, H, G, Dk, Dv, l, d, lp, n, w = CASES[2]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .common import unfilled
 from .gating import gate_grads
 from .hopper_selected_forward import hopper_selected_forward_eligible
 from .query_grad import query_grad
@@ -61,13 +62,15 @@ def nsa_forward(
     """o, then what backward needs: each branch's output and lse, the indices and their inverse index (built where
     a block-centric selected branch reads it: this forward, or with `needs_grad` the backward)."""
     blocks = _inverse_needed(q, k_sel, v_sel, sel_block, needs_grad)
-    # The compressed branch and the choice it feeds run beside the window branch (streams.py).
-    beside = Beside(q)
-    o_cmp, lse_cmp, indices, inverse = beside.run(_compressed_and_choice, q, k_cmp, v_cmp, block_len, block_stride,
-                                                  sel_block, n_sel, window, scale, blocks)
-    o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
-    beside.join()
-    o, o_sel, lse_sel = selected_forward(q, k_sel, v_sel, indices, inverse, o_cmp, o_win, gates, scale, sel_block)
+    with unfilled():
+        # The compressed branch and the choice it feeds run beside the window branch (streams.py).
+        beside = Beside(q)
+        o_cmp, lse_cmp, indices, inverse = beside.run(_compressed_and_choice, q, k_cmp, v_cmp, block_len,
+                                                      block_stride, sel_block, n_sel, window, scale, blocks)
+        o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
+        beside.join()
+        o, o_sel, lse_sel = selected_forward(q, k_sel, v_sel, indices, inverse, o_cmp, o_win, gates, scale,
+                                             sel_block)
     return o, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices, *inverse
 
 
@@ -95,21 +98,22 @@ def nsa_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients for (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)."""
     do = do.contiguous()
-    # Each branch's gate comes folded into its lse and delta (see gating.py).
-    dgates, delta, lse_g = gate_grads(do, o_cmp, o_sel, o_win, gates, lse_cmp, lse_sel, lse_win)
-    inverse = (item_key, item_start, item_count, entries)
-    # The compressed (and optionally the window) branch's dK/dV run beside the selected branch and dQ.
-    beside = Beside(q)
-    dk_cmp, dv_cmp = beside.run(range_attention_dkdv, q, k_cmp, v_cmp, do, lse_g[0], delta[0], MODE_CMP, scale,
-                                block_len, block_stride, window)
-    window_beside = beside.run if TUNING.window_grads_beside else _call
-    dk_win, dv_win = window_beside(range_attention_dkdv, q, k_win, v_win, do, lse_g[2], delta[2], MODE_WIN, scale,
-                                   block_len, block_stride, window)
-    dk_sel, dv_sel, sel_dq = selected_backward(q, k_sel, v_sel, indices, inverse, do, lse_g[1], delta[1], scale,
-                                               sel_block)
-    dq = query_grad(q, do, lse_g, delta, scale, block_len, block_stride, window, (k_cmp, v_cmp), (k_win, v_win),
-                    sel_dq)
-    beside.join()
+    with unfilled():
+        # Each branch's gate comes folded into its lse and delta (see gating.py).
+        dgates, delta, lse_g = gate_grads(do, o_cmp, o_sel, o_win, gates, lse_cmp, lse_sel, lse_win)
+        inverse = (item_key, item_start, item_count, entries)
+        # The compressed (and optionally the window) branch's dK/dV run beside the selected branch and dQ.
+        beside = Beside(q)
+        dk_cmp, dv_cmp = beside.run(range_attention_dkdv, q, k_cmp, v_cmp, do, lse_g[0], delta[0], MODE_CMP, scale,
+                                    block_len, block_stride, window)
+        window_beside = beside.run if TUNING.window_grads_beside else _call
+        dk_win, dv_win = window_beside(range_attention_dkdv, q, k_win, v_win, do, lse_g[2], delta[2], MODE_WIN,
+                                       scale, block_len, block_stride, window)
+        dk_sel, dv_sel, sel_dq = selected_backward(q, k_sel, v_sel, indices, inverse, do, lse_g[1], delta[1],
+                                                   scale, sel_block)
+        dq = query_grad(q, do, lse_g, delta, scale, block_len, block_stride, window, (k_cmp, v_cmp),
+                        (k_win, v_win), sel_dq)
+        beside.join()
     grads = (dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win)
     inputs = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)
     return (*(g.to(x.dtype) for g, x in zip(grads, inputs)), dgates)
