@@ -346,8 +346,8 @@ def _range_bwd_dkdv_kernel(
                                 True, MODE, ONE_BLOCK, DK, DV, BLOCK_M)
     dk_acc = dk_acc * scale
     # sdks/sdvs: each split's own slice of the outputs (deterministic mode), 0 where splits add into one.
-    dk_off = pid_split * sdks + b * sdkb + g * sdkg + kidx * sdkt
-    dv_off = pid_split * sdvs + b * sdvb + g * sdvg + kidx * sdvt
+    dk_off = pid_split.to(tl.int64) * sdks + b * sdkb + g * sdkg + kidx * sdkt
+    dv_off = pid_split.to(tl.int64) * sdvs + b * sdvb + g * sdvg + kidx * sdvt
     if ATOMIC:  # several splits add into the same keys (float32, zero-initialised)
         # Relaxed: a sum needs no ordering, and Triton's default (acq_rel) fences the whole GPU around each add.
         if row_start < split_hi:

@@ -525,8 +525,9 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, s
         inverse = build_inverse_index(indices, T, sel_block)
     item_key, item_start, item_count, entries = inverse
     partials = deterministic()
-    dk_out = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-    dv_out = torch.zeros(v.shape, device=v.device, dtype=torch.float32)
+    alloc = torch.empty if partials else torch.zeros  # the sums below write every row, the atomics add into zeros
+    dk_out = alloc(k.shape, device=k.device, dtype=torch.float32)
+    dv_out = alloc(v.shape, device=v.device, dtype=torch.float32)
     # Deterministic mode: every item writes its block's partial dK/dV to a slot of its own, summed below in item
     # order, instead of adding it atomically into dk_out/dv_out (what several items of one block would race on).
     launch = _block_launch(sel_block)
