@@ -104,14 +104,12 @@ def test_deterministic_runs_repeat_and_resume_bit_for_bit(tmp_path, device):
     # On a GPU: compiled blocks, the Triton/Gluon kernels, 64 selection blocks a sequence (block-centric selected
     # backward, several work items a block, split dK/dV rows). Without train.deterministic two such runs differ
     # from the first steps on (float32 atomics).
-    common = FAST + [f"train.out_dir={tmp_path}", "train.steps=6", "train.log_every=1", "train.sample_tokens=0",
+    steps = 6 if device == "cuda" else 4
+    common = FAST + [f"train.out_dir={tmp_path}", f"train.steps={steps}", "train.log_every=1", "train.sample_tokens=0",
                      "train.deterministic=true", f"train.device={device}"]
     if device == "cuda":
         common += ["train.seq_len=4096", "train.batch_size=2", "model.head_dim=64", "model.dim=256",
                    "parallel.compile=true", "parallel.allow_single_process=true"]
-    else:
-        common += ["train.steps=4"]
-    steps = 6 if device == "cuda" else 4
     full = train(load_config(None, common + ["train.run_name=full"]))
     assert torch.are_deterministic_algorithms_enabled()
     again = train(load_config(None, common + ["train.run_name=again"]))
