@@ -20,7 +20,8 @@ def test_each_setting_is_in_force_while_measured_and_the_defaults_return(monkeyp
     monkeypatch.setattr(bench, "make_inputs", lambda *args, **kwargs: None)
     monkeypatch.setattr(bench, "_nsa", lambda ins: None)
     monkeypatch.setattr(bench, "_fwd_bwd", lambda forward, ins: None)
-    monkeypatch.setattr(bench, "_timed", lambda fn, queued=False: 3.0 if queued else 1.0)
+    monkeypatch.setattr(bench, "_timed", lambda fn, queued=False: 3.0 if queued else 4.0 if fn == "replay" else 1.0)
+    monkeypatch.setattr(bench, "_graphed", lambda fn: "replay")
     monkeypatch.setattr(bench, "components", components)
     defaults = dataclasses.replace(TUNING)
 
@@ -37,7 +38,7 @@ def test_each_setting_is_in_force_while_measured_and_the_defaults_return(monkeyp
         assert dataclasses.replace(tuned, **{f: getattr(defaults, f) for f in JOINED.split("+")}) == defaults
     stages = bench.SWEEP["dkdv_stages"][0]
     assert by_row[f"dkdv_stages{stages}"] == dataclasses.replace(defaults, dkdv_stages=stages) != defaults
-    assert rows[1] | {"fwd: x": 2.0, "fwd_ms": 1.0, "gpu_fwdbwd_ms": 3.0} == rows[1]
+    assert rows[1] | {"fwd: x": 2.0, "fwd_ms": 1.0, "gpu_fwdbwd_ms": 3.0, "graph_fwdbwd_ms": 4.0} == rows[1]
 
 
 def test_every_sweep_name_is_a_launch_parameter():

@@ -283,6 +283,51 @@ def test_branch_streams_change_no_number(B, T, monkeypatch):
             assert rel_err(g, r) < 1e-3, (grad_name, rel_err(g, r))
 
 
+@pytest.mark.parametrize("B,T,name", [(1, 4096, "m7c"), (8, 2048, "m7c"), (1, 4096, "paper")])
+def test_branch_streams_inside_a_captured_cuda_graph(B, T, name, monkeypatch):
+    """Captured in a CUDA graph, the branches fork to the side stream at any size; replays on new inputs give the
+    one-stream eager numbers (a missing edge would let a replay read a branch's output before it is written, or
+    let the side stream overwrite memory the main stream still reads)."""
+    from nsa.ops.triton.streams import Beside
+
+    static = bf16_inputs(B, T, name, seed=1)
+    do = torch.randn_like(static[0][..., :SHAPES[name][3]])
+    forks = []
+    init = Beside.__init__
+
+    def spy(self, q):
+        init(self, q)
+        forks.append(self.on)
+
+    def step():
+        out = nsa_attention(*static, **HP, backend="triton")
+        return (out, *torch.autograd.grad(out, static, do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up (compilation) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    monkeypatch.setattr(Beside, "__init__", spy)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    assert forks == [True, True], "the forward and backward forked to the side stream while captured"
+    monkeypatch.setattr(Beside, "__init__", init)
+    monkeypatch.setattr(TUNING, "branch_streams", False)
+    for seed in (2, 3):
+        fresh = bf16_inputs(B, T, name, seed=seed)
+        with torch.no_grad():
+            for s, f in zip(static, fresh):
+                s.copy_(f)
+        graph.replay()
+        eager = step()
+        torch.testing.assert_close(captured[0], eager[0], rtol=0, atol=0)
+        for grad_name, g, r in zip(NAMES, captured[1:], eager[1:]):
+            # split dK/dV programs add in whatever order they finish
+            assert rel_err(g, r) < 1e-3, (seed, grad_name, rel_err(g, r))
+
+
 def test_int64_offsets_beyond_two_billion_elements():
     # B=2 at 128k tokens x 64 heads x 128 dims: element offsets of the second sequence exceed 2^31.
     ins = bf16_inputs(2, 131072, "paper", seed=2, requires_grad=False)

@@ -12,7 +12,7 @@ from helpers import NAMES, assert_same_selection, nsa_inputs
 from nsa.ops import nsa_attention, reference, select_blocks
 from nsa.ops.triton.range_attention import MODE_CMP, chosen_bits, range_attention_fwd
 from nsa.ops.triton import tuning
-from nsa.ops.triton.inverse_index import inverse_index
+from nsa.ops.triton.inverse_index import _key_dtype, inverse_index
 from nsa.ops.triton.selected_attention import BLOCKS, TILED, TOKEN, selected_path
 from nsa.ops.triton.selection import select_blocks_fwd
 
@@ -125,6 +125,36 @@ def test_a_forward_without_gradients_skips_the_inverse_index_a_block_centric_bac
     ref = nsa_attention(*ins, **hp, backend="reference")
     for name, g, r in zip(NAMES, torch.autograd.grad(out, ins, do), torch.autograd.grad(ref, ins, do)):
         torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
+
+
+def test_only_the_output_takes_a_gradient_and_no_zero_gradient_is_filled_for_the_rest():
+    # nsa::forward also returns what its backward reads (branch outputs, lse, indices, the inverse index); autograd
+    # must neither treat them as differentiable nor fill a zero gradient for each before the backward.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nsa.ops.triton import attention
+
+    hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
+    ins = inputs(1, 37, 6, 2, 8, 8, block_len=8, block_stride=4, seed=5, requires_grad=True)
+    outs = attention.nsa_forward(*ins, *hp.values(), 8**-0.5, True)
+    assert [t.requires_grad for t in outs] == [True] + [False] * 11
+
+    class Created(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.shapes.append((tuple(out.shape), out.dtype))
+            return out
+
+    with Created() as created:
+        outs[0].backward(torch.randn_like(outs[0]))
+    indices = outs[7]
+    assert (tuple(indices.shape), indices.dtype) not in created.shapes, "a zero gradient was made for the indices"
+    assert all(t.grad is not None for t in ins)
 
 
 class _LaunchSpy:
@@ -275,9 +305,12 @@ def test_selection_ties_go_to_the_lower_block():
     assert torch.equal(idx, reference.select_blocks(q, k_cmp, block_len=4, block_stride=4, sel_block=4, n_sel=5))
 
 
-def test_inverse_index_lists_every_query_of_every_block_in_chunks():
+@pytest.mark.parametrize("B,T,G,n,Ns,key_dtype", [(2, 30, 2, 3, 8, torch.uint8), (1, 30, 2, 3, 300, torch.int16),
+                                                 (1, 20, 1, 3, 40000, torch.int32)])
+def test_inverse_index_lists_every_query_of_every_block_in_chunks(B, T, G, n, Ns, key_dtype):
+    # The sort's keys take the narrowest type that holds B * G * Ns + 1 values (one byte, two, four).
+    assert _key_dtype(B * G * Ns) == key_dtype
     torch.manual_seed(0)
-    B, T, G, n, Ns = 2, 30, 2, 3, 8
     idx = torch.randint(-1, Ns, (B, T, G, n))
     key, start, count, entries = (x.cpu() for x in inverse_index(idx.to(DEVICE), Ns, chunk=3))
     assert count.max() <= 3

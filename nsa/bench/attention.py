@@ -254,6 +254,9 @@ SWEEP = {
     "tiled_max_blocks": [0, 64],
     "tiled_max_blocks_forward": [0],
     "tiled_max_blocks_large_groups": [0, 32],
+    # Large groups past the tiled range: the forward block-centric in Gluon (token_min_heads_forward) or per query.
+    "tiled_max_blocks_large_groups+tiled_max_blocks_forward": [(32, 32)],
+    "tiled_max_blocks_large_groups+tiled_max_blocks_forward+token_min_heads_forward": [(32, 32, 17)],
     "select_block_t": [8, 32],
     "token_min_heads_forward": [17],
     "branch_streams": [False],
@@ -265,8 +268,9 @@ defaults are measured too."""
 
 def sweep(shape: str, T: int, batch: int = 1, params: list[str] | None = None) -> list[dict]:
     """Forward+backward time as each launch parameter (all of SWEEP, or `params`) varies around the defaults:
-    one call at a time (fwd_ms, fwdbwd_ms), queued back to back (gpu_fwdbwd_ms, the GPU's share), and each
-    stage's GPU time (components)."""
+    one call at a time (fwd_ms, fwdbwd_ms), queued back to back (gpu_fwdbwd_ms, the GPU's share), as one CUDA-graph
+    replay (graph_fwdbwd_ms: the GPU's time with the branches on their side stream at any size), and each stage's
+    GPU time (components)."""
     from ..ops.triton import tuning
 
     H, G, Dk, Dv = SHAPES[shape]
@@ -278,7 +282,9 @@ def sweep(shape: str, T: int, batch: int = 1, params: list[str] | None = None) -
         with torch.no_grad():
             fwd = _timed(forward)
         stages = {r["stage"]: r["ms"] for r in components(shape, T, batch)}
-        return {"fwd_ms": fwd, "fwdbwd_ms": _timed(step), "gpu_fwdbwd_ms": _timed(step, queued=True)} | stages
+        replay = _graphed(step)
+        return {"fwd_ms": fwd, "fwdbwd_ms": _timed(step), "gpu_fwdbwd_ms": _timed(step, queued=True),
+                "graph_fwdbwd_ms": _timed(replay) if replay else None} | stages
 
     base = dataclasses.replace(tuning.TUNING)
     rows = [{"shape": shape, "T": T, "param": "defaults", "value": ""} | measure()]

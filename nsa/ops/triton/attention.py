@@ -30,14 +30,13 @@ def _num_items(B: int, T: int, G: int, n: int, sel_block: int, device: torch.dev
     return (B * T * G * n) // chunk + B * G * (-(-T // sel_block))
 
 
-def _inverse_needed(q: Tensor, k: Tensor, v: Tensor, sel_block: int, needs_grad: bool) -> bool:
-    """Whether the forward builds the inverse index: a block-centric selected forward reads it, and so does a
-    block-centric backward, which a tiled forward may precede (selected_path). From metadata alone: the fake
-    implementation decides it too."""
+def _inverse_readers(q: Tensor, k: Tensor, v: Tensor, sel_block: int, needs_grad: bool) -> tuple[bool, bool]:
+    """Whether the selected forward reads the inverse index (block-centric), and whether the forward builds it at
+    all: also for a block-centric backward, which a tiled forward may precede (selected_path). From metadata
+    alone: the fake implementation decides it too."""
     T, h = q.shape[1], q.shape[2] // k.shape[2]
-    if selected_path(T, h, sel_block, True, hopper_selected_forward_eligible(q, k, v, sel_block)) == BLOCKS:
-        return True
-    return needs_grad and selected_path(T, h, sel_block) == BLOCKS
+    forward = selected_path(T, h, sel_block, True, hopper_selected_forward_eligible(q, k, v, sel_block)) == BLOCKS
+    return forward, forward or (needs_grad and selected_path(T, h, sel_block) == BLOCKS)
 
 
 def _no_inverse(q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -45,12 +44,11 @@ def _no_inverse(q: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return empty, empty.clone(), empty.clone(), empty.clone()
 
 
-def _compressed_and_choice(q, k_cmp, v_cmp, block_len, block_stride, sel_block, n_sel, window, scale, blocks):
-    """The compressed branch's output and lse, the chosen blocks and (where `blocks`) their inverse index."""
+def _compressed_and_choice(q, k_cmp, v_cmp, block_len, block_stride, sel_block, n_sel, window, scale):
+    """The compressed branch's output and lse, and the chosen blocks."""
     o_cmp, lse_cmp = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, scale, block_len, block_stride, window)
     indices = select_blocks_fwd(q, k_cmp, lse_cmp, scale, block_len, block_stride, sel_block, n_sel)
-    inverse = build_inverse_index(indices, q.shape[1], sel_block) if blocks else _no_inverse(q)
-    return o_cmp, lse_cmp, indices, inverse
+    return o_cmp, lse_cmp, indices
 
 
 @torch.library.custom_op("nsa::forward", mutates_args=())
@@ -61,16 +59,24 @@ def nsa_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """o, then what backward needs: each branch's output and lse, the indices and their inverse index (built where
     a block-centric selected branch reads it: this forward, or with `needs_grad` the backward)."""
-    blocks = _inverse_needed(q, k_sel, v_sel, sel_block, needs_grad)
+    forward_reads, blocks = _inverse_readers(q, k_sel, v_sel, sel_block, needs_grad)
+    T = q.shape[1]
     with unfilled():
         # The compressed branch and the choice it feeds run beside the window branch (streams.py).
         beside = Beside(q)
-        o_cmp, lse_cmp, indices, inverse = beside.run(_compressed_and_choice, q, k_cmp, v_cmp, block_len,
-                                                      block_stride, sel_block, n_sel, window, scale, blocks)
+        o_cmp, lse_cmp, indices = beside.run(_compressed_and_choice, q, k_cmp, v_cmp, block_len, block_stride,
+                                             sel_block, n_sel, window, scale)
+        inverse = beside.run(build_inverse_index, indices, T, sel_block) if forward_reads else _no_inverse(q)
         o_win, lse_win = range_attention_fwd(q, k_win, v_win, MODE_WIN, scale, block_len, block_stride, window)
         beside.join()
-        o, o_sel, lse_sel = selected_forward(q, k_sel, v_sel, indices, inverse, o_cmp, o_win, gates, scale,
+        forward_inverse = inverse
+        if blocks and not forward_reads:
+            # Only the backward reads it: built beside the selected forward, off the forward's critical path
+            # (at M7C 4k x 1 its ~0.1 ms of small kernels take as long as that forward).
+            inverse = beside.run(build_inverse_index, indices, T, sel_block)
+        o, o_sel, lse_sel = selected_forward(q, k_sel, v_sel, indices, forward_inverse, o_cmp, o_win, gates, scale,
                                              sel_block)
+        beside.join()
     return o, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices, *inverse
 
 
@@ -82,7 +88,7 @@ def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_strid
     o = q.new_empty(B, T, H, Dv)
     lse = q.new_empty(B, T, H, dtype=_F32)
     idx = q.new_empty(B, T, G, n_sel, dtype=torch.int64)
-    blocks = _inverse_needed(q, k_sel, v_sel, sel_block, needs_grad)
+    blocks = _inverse_readers(q, k_sel, v_sel, sel_block, needs_grad)[1]
     item = q.new_empty(_num_items(B, T, G, n_sel, sel_block, q.device) if blocks else 0, dtype=torch.int32)
     entries = q.new_empty(B * G * T * n_sel if blocks else 0, dtype=torch.int32)
     return (o, torch.empty_like(o), lse, torch.empty_like(o), torch.empty_like(lse), torch.empty_like(o),
@@ -132,6 +138,10 @@ def _setup_context(ctx, inputs, output):
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block, _, window, scale, _ = inputs
     ctx.save_for_backward(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *output[1:])
     ctx.hyper = (block_len, block_stride, sel_block, window, scale)
+    # Only o takes a gradient; the rest are what the backward reads. Unmarked, autograd would fill a zero gradient
+    # for each of the eleven before every backward (M7C 4k x 1: ~20 us of its ~450).
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, *_unused):

@@ -31,15 +31,17 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 class Beside:
     """Work of one NSA call (on queries q) queued beside the current stream. Creating one forks (the side stream
     waits for all queued so far); `join` makes the current stream wait for the side's work and hands its tensors
-    over to it."""
+    over to it. Work queued after a join runs beside what the current stream does next, until the next join."""
 
     def __init__(self, q: Tensor):
-        # Not for small calls (TUNING.branch_streams_min_elements), and not while a CUDA graph is captured: a
-        # replay already runs without the host's gaps, and the allocator's cross-stream bookkeeping
-        # (record_stream) is not meant for capture.
+        # Not for small calls (TUNING.branch_streams_min_elements: the streams' host bookkeeping would cost more
+        # than the overlap gains), except while a CUDA graph is captured: the fork and join become edges of the
+        # graph, its replays pay no host time for them, and small calls are where the branches leave most SMs
+        # idle. A side stream joined to the capture allocates from the graph's pool, and record_stream defers the
+        # reuse of its outputs' memory until the capture ends.
         device = q.device
-        self.on = (device.type == "cuda" and TUNING.branch_streams and q.numel() >= TUNING.branch_streams_min_elements
-                   and not torch.cuda.is_current_stream_capturing())
+        on = device.type == "cuda" and TUNING.branch_streams
+        self.on = on and (q.numel() >= TUNING.branch_streams_min_elements or torch.cuda.is_current_stream_capturing())
         self.main = torch.cuda.current_stream(device) if self.on else None
         self.side = _side_stream(device) if self.on else None
         self.outputs: list[Tensor] = []
