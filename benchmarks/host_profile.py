@@ -124,6 +124,30 @@ def breakdown(call, calls: int) -> None:
         print(f"{name:32s} {sec / calls * 1e3:12.3f} {n / calls:11.1f}")
 
 
+def launch_profile(call, calls: int, rows: int) -> None:
+    """cProfile of the JIT launches alone (Triton's run; profiling only inside it keeps torch.compile's frames out)."""
+    import triton.runtime.jit as jit
+
+    prof = cProfile.Profile()
+    run = jit.JITFunction.run
+
+    def profiled_run(self, *args, **kwargs):
+        prof.enable()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            prof.disable()
+
+    jit.JITFunction.run = profiled_run
+    try:
+        for _ in range(calls):
+            call()
+    finally:
+        jit.JITFunction.run = run
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="m7c", choices=sorted(SHAPES))
@@ -154,23 +178,7 @@ def main() -> None:
     if ns.breakdown:
         layers(ins, do, ns.calls)
         breakdown(lambda: call(True), ns.calls)
-        import triton.runtime.jit as jit
-        prof = cProfile.Profile()
-        run = jit.JITFunction.run
-
-        def profiled_run(self, *args, **kwargs):
-            prof.enable()
-            try:
-                return run(self, *args, **kwargs)
-            finally:
-                prof.disable()
-
-        jit.JITFunction.run = profiled_run
-        for _ in range(ns.calls):
-            call(True)
-        jit.JITFunction.run = run
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(ns.rows)
+        launch_profile(lambda: call(True), ns.calls, ns.rows)
         return
     # With the GPU held busy first, a call that waits for it somewhere (a host read of a device value) shows its
     # host time grown by the wait; CUDA's sync debug mode names such operations.
