@@ -94,6 +94,28 @@ def test_mlp_phi_starts_as_mean_pooling_and_then_learns():
     assert BlockCompressor(8, 4, 2, "mean")(x[:, :3]).shape == (2, 0, 3, 8)
 
 
+def test_mlp_phi_is_the_mean_plus_an_mlp_of_each_flattened_block_with_positions():
+    torch.manual_seed(0)
+    comp = BlockCompressor(head_dim=8, block_len=4, block_stride=2, kind="mlp", hidden=16).double()
+    for w in (comp.pos, comp.fc1.weight, comp.fc2.weight):  # fc2 starts at zero: randomise so the MLP counts
+        torch.nn.init.normal_(w, std=0.5)
+    x = torch.randn(2, 11, 3, 8, dtype=torch.float64, requires_grad=True)
+    literal = []  # block i covers tokens [2i, 2i + 4); its positions are added token by token before fc1
+    for i in range(4):
+        block = x[:, 2 * i : 2 * i + 4].transpose(1, 2)  # [B, G, l, D]
+        mlp = comp.fc2(torch.nn.functional.silu(comp.fc1((block + comp.pos).flatten(-2))))
+        literal.append(block.mean(2) + mlp)
+    literal = torch.stack(literal, dim=1)
+    out = comp(x)
+    torch.testing.assert_close(out, literal)
+    weights = torch.randn_like(out)
+    params = [x, comp.pos, comp.fc1.weight, comp.fc2.weight]
+    got = torch.autograd.grad((out * weights).sum(), params)
+    want = torch.autograd.grad((literal * weights).sum(), params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 def test_rope_scores_depend_only_on_relative_position():
     rope = RotaryEmbedding(16, 10000.0)
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)

@@ -110,19 +110,20 @@ def nsa_backward(
         inverse = (item_key, item_start, item_count, entries)
         # The compressed (and optionally the window) branch's dK/dV run beside the selected branch and dQ.
         beside = Beside(q)
-        dk_cmp, dv_cmp = beside.run(range_attention_dkdv, q, k_cmp, v_cmp, do, lse_g[0], delta[0], MODE_CMP, scale,
+        dk_cmp, dv_cmp = beside.run(_dkdv_in_type, q, k_cmp, v_cmp, do, lse_g[0], delta[0], MODE_CMP, scale,
                                     block_len, block_stride, window)
         window_beside = beside.run if TUNING.window_grads_beside else _call
-        dk_win, dv_win = window_beside(range_attention_dkdv, q, k_win, v_win, do, lse_g[2], delta[2], MODE_WIN,
-                                       scale, block_len, block_stride, window)
+        dk_win, dv_win = window_beside(_dkdv_in_type, q, k_win, v_win, do, lse_g[2], delta[2], MODE_WIN, scale,
+                                       block_len, block_stride, window)
         dk_sel, dv_sel, sel_dq = selected_backward(q, k_sel, v_sel, indices, inverse, do, lse_g[1], delta[1],
                                                    scale, sel_block)
+        # Float32 sums (row splits, atomics) are converted beside dQ rather than after it, when nothing else runs.
+        beside.follow(dk_sel, dv_sel)
+        dk_sel, dv_sel = beside.run(_in_type, (dk_sel, dv_sel), (k_sel, v_sel))
         dq = query_grad(q, do, lse_g, delta, scale, block_len, block_stride, window, (k_cmp, v_cmp),
                         (k_win, v_win), sel_dq)
         beside.join()
-    grads = (dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win)
-    inputs = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win)
-    return (*(g.to(x.dtype) for g, x in zip(grads, inputs)), dgates)
+    return dq.to(q.dtype), dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates
 
 
 @nsa_backward.register_fake
@@ -132,6 +133,15 @@ def _(do, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *rest):
 
 def _call(fn, *args, **kwargs):
     return fn(*args, **kwargs)
+
+
+def _in_type(grads: tuple[Tensor, ...], inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return tuple(g.to(x.dtype) for g, x in zip(grads, inputs))
+
+
+def _dkdv_in_type(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, ...]:
+    """range_attention_dkdv's (dK, dV) in the keys' and values' types."""
+    return _in_type(range_attention_dkdv(q, k, v, *args), (k, v))
 
 
 def _setup_context(ctx, inputs, output):

@@ -58,6 +58,15 @@ class Beside:
         self.outputs.extend(_tensors(out))
         return out
 
+    def follow(self, *inputs: Tensor) -> None:
+        """Make the side stream wait for all queued so far on the current one, so that work queued next may read
+        `inputs`, made there: their memory is not handed out again until the side stream is done with them."""
+        if not self.on:
+            return
+        self.side.wait_stream(self.main)
+        for t in inputs:
+            t.record_stream(self.side)
+
     def join(self) -> None:
         if not self.on:
             return
