@@ -117,9 +117,10 @@ def nsa_backward(
                                        block_len, block_stride, window)
         dk_sel, dv_sel, sel_dq = selected_backward(q, k_sel, v_sel, indices, inverse, do, lse_g[1], delta[1],
                                                    scale, sel_block)
-        # Float32 sums (row splits, atomics) are converted beside dQ rather than after it, when nothing else runs.
-        beside.follow(dk_sel, dv_sel)
-        dk_sel, dv_sel = beside.run(_in_type, (dk_sel, dv_sel), (k_sel, v_sel))
+        if dk_sel.dtype != k_sel.dtype:
+            # Float32 sums (row splits, atomics) are converted beside dQ rather than after it, when nothing else runs.
+            beside.follow(dk_sel, dv_sel)
+            dk_sel, dv_sel = beside.run(_in_type, (dk_sel, dv_sel), (k_sel, v_sel))
         dq = query_grad(q, do, lse_g, delta, scale, block_len, block_stride, window, (k_cmp, v_cmp),
                         (k_win, v_win), sel_dq)
         beside.join()
