@@ -358,7 +358,7 @@ def test_compressed_kernel_reports_minus_infinity_lse_where_nothing_is_visible()
 
 
 def test_auto_backend_is_triton_on_cuda_and_the_reference_elsewhere():
-    from nsa.ops.api import _resolve
+    from nsa.ops.api import resolve_backend as _resolve
 
     assert _resolve("auto", torch.device("cuda"), 10) == "triton"
     assert _resolve("auto", torch.device("cpu"), 10) == "reference"  # the interpreter only when asked for

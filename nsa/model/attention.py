@@ -59,8 +59,10 @@ class NSAAttention(nn.Module):
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wkv = nn.Linear(cfg.dim, kv_width, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.compress_k = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden)
-        self.compress_v = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden)
+        self.compress_k = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden,
+                                         nsa.backend)
+        self.compress_v = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden,
+                                         nsa.backend)
         self.gate = GateMLP(cfg.dim, nsa.gate_hidden, cfg.n_heads)
 
     @property

@@ -11,14 +11,17 @@ class BlockCompressor(nn.Module):
 
     kind='mean' averages each block. kind='mlp' adds to that mean an MLP of the
     flattened block plus a learnable intra-block position embedding; the MLP's last
-    layer starts at zero so training begins from mean pooling.
+    layer starts at zero so training begins from mean pooling. `backend` follows the
+    NSA op's: under 'auto' the MLP runs as Triton kernels on CUDA (ops/triton/compression.py).
     """
 
-    def __init__(self, head_dim: int, block_len: int, block_stride: int, kind: str = "mlp", hidden: int = 128):
+    def __init__(self, head_dim: int, block_len: int, block_stride: int, kind: str = "mlp", hidden: int = 128,
+                 backend: str = "auto"):
         super().__init__()
         self.block_len = block_len
         self.block_stride = block_stride
         self.kind = kind
+        self.backend = backend
         if kind == "mlp":
             self.pos = nn.Parameter(torch.empty(block_len, head_dim))
             self.fc1 = nn.Linear(block_len * head_dim, hidden, bias=False)
@@ -35,8 +38,19 @@ class BlockCompressor(nn.Module):
         b, t, g, d = x.shape
         if t < self.block_len:
             return x.new_zeros(b, 0, g, d)
+        if self.kind == "mlp" and self._on_triton(x):
+            from ..ops.triton.compression import phi_mlp_triton
+
+            return phi_mlp_triton(x, self.pos, self.fc1.weight, self.fc2.weight, self.block_len, self.block_stride)
         blocks = x.unfold(1, self.block_len, self.block_stride).transpose(-1, -2)  # [B,Nc,G,l,D]
         mean = blocks.mean(dim=-2)
         if self.kind == "mean":
             return mean
         return mean + self.fc2(nn.functional.silu(self.fc1((blocks + self.pos).flatten(-2))))
+
+    def _on_triton(self, x: torch.Tensor) -> bool:
+        from ..ops.api import resolve_backend
+        from ..ops.triton.compression import phi_mlp_supports
+
+        return (resolve_backend(self.backend, x.device, x.shape[1]) == "triton"
+                and phi_mlp_supports(self.block_len, self.block_stride))

@@ -15,7 +15,8 @@ from .validation import check_nsa_inputs, check_select_inputs
 BACKENDS = ("auto", "reference", "triton")
 
 
-def _resolve(backend: str, device: torch.device, seq_len: int) -> str:
+def resolve_backend(backend: str, device: torch.device, seq_len: int) -> str:
+    """The implementation `backend` means for inputs on `device` of seq_len tokens: 'triton' or 'reference'."""
     from . import triton as triton_backend
 
     if backend not in BACKENDS:
@@ -59,7 +60,7 @@ def nsa_attention(
         block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window,
     )
     hyper = dict(block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window)
-    if _resolve(backend, q.device, q.shape[1]) == "triton":
+    if resolve_backend(backend, q.device, q.shape[1]) == "triton":
         from .triton.attention import nsa_attention_triton
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -81,7 +82,7 @@ def select_blocks(
     """Selected block indices [B,T,G,n] (int64, ascending, unused slots -1)."""
     check_select_inputs(q, k_cmp, block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel)
     hyper = dict(block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel)
-    if _resolve(backend, q.device, q.shape[1]) == "triton":
+    if resolve_backend(backend, q.device, q.shape[1]) == "triton":
         from .triton.attention import select_blocks_triton
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale

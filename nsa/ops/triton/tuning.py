@@ -131,6 +131,12 @@ class Tuning:
     gate_block_m: int = 32
     """(token, head) rows per program of the gate-gradient kernel (gating.py)."""
     gate_warps: int = 4
+    phi_block_m: int = 64
+    """Blocks per program of phi's kernels (compression.py; chunks of block_stride tokens in the token gradient's,
+    rows per step in fc1's weight gradient's)."""
+    phi_warps: int = 4
+    phi_w1_rows: int = 512
+    """Fewest blocks per program of fc1's weight-gradient kernel (it splits the blocks until every SM has two)."""
     branch_streams: bool = True
     """On CUDA, queue the compressed branch (forward with the block choice, and its dK/dV) on a second stream,
     beside the window and selected kernels (streams.py)."""
