@@ -55,3 +55,16 @@ def assert_same_selection(idx, ref_idx, scores, rtol=1e-5):
         only_want = s[sorted(want - got)]
         gap = (only_got.min() - only_want.max()).abs().item() if len(only_got) else 0.0
         assert gap <= rtol * s.max().item() + 1e-12, (b, t, g, sorted(got), sorted(want), gap)
+
+
+class LaunchSpy:
+    """Stands in for a @triton.jit kernel: records each launch's grid and keyword arguments, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch

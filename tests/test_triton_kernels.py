@@ -8,7 +8,7 @@ run the compiled kernels (fp32 dots then use tf32, hence the looser tolerance).
 import pytest
 import torch
 
-from helpers import NAMES, assert_same_selection, nsa_inputs
+from helpers import NAMES, LaunchSpy, assert_same_selection, nsa_inputs
 from nsa.ops import nsa_attention, reference, select_blocks
 from nsa.ops.triton.range_attention import MODE_CMP, chosen_bits, range_attention_fwd
 from nsa.ops.triton import tuning
@@ -157,17 +157,6 @@ def test_only_the_output_takes_a_gradient_and_no_zero_gradient_is_filled_for_the
     assert all(t.grad is not None for t in ins)
 
 
-class _LaunchSpy:
-    """Stands in for a @triton.jit kernel: records each launch's grid and constexpr keywords, then launches it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
 
 
 @pytest.fixture
@@ -184,7 +173,7 @@ def spies(monkeypatch):
 
     found = {}
     for module, name in ((range_attention, "_range_bwd_dkdv_kernel"), (selected_attention, "_sel_bwd_kernel")):
-        found[name] = _LaunchSpy(getattr(module, name))
+        found[name] = LaunchSpy(getattr(module, name))
         monkeypatch.setattr(module, name, found[name])
     return found
 

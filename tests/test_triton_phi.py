@@ -7,6 +7,7 @@ fp32 dots use tf32, hence the looser tolerance there.
 import pytest
 import torch
 
+from helpers import LaunchSpy
 from nsa.model.compression import BlockCompressor
 from nsa.ops.triton.compression import phi_mlp_supports
 
@@ -85,3 +86,27 @@ def test_other_geometries_and_short_sequences_take_the_pytorch_path():
     x = keys(1, 30, 2, 8)
     torch.testing.assert_close(fast(x), ref(x))
     assert fast(x[:, :11]).shape == (1, 0, 2, 8)
+
+
+
+def test_fc1_splits_add_atomically_unless_deterministic_mode_sums_them_in_order(monkeypatch):
+    from nsa.ops.triton import compression
+
+    spy = LaunchSpy(compression._phi_bwd_w1_kernel)
+    monkeypatch.setattr(compression, "_phi_bwd_w1_kernel", spy)
+    ref, fast = pair(16, 32, 8, 4)
+    x = keys(2, 40, 2, 16)
+    weights = torch.randn_like(ref(x))
+    want = grads(ref, x, ref(x), weights)
+    atomic = grads(fast, x, fast(x), weights)
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = grads(fast, x, fast(x), weights)
+        second = grads(fast, x, fast(x), weights)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [kwargs["ATOMIC"] for _, kwargs in spy.launches] == [True, False, False]
+    for a, b, w in zip(first, second, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, w, **TOL)
+    torch.testing.assert_close(atomic[2], want[2], **TOL)

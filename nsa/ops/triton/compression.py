@@ -13,11 +13,10 @@ further passes of the same size; those elementwise kernels cost ~2 ms of a 170 m
   position), the mean beside it, then applies silu and fc2; it keeps h (float32) for the backward;
 - backward rows: dh = (dy W2) * silu'(h), and silu(h) for fc2's weight gradient;
 - backward tokens: each token's gradient gathers the r = l/d blocks that contain it (r in {1, 2});
-- backward weights: fc1's gradient per token position j, split over the blocks and summed in a fixed order
-  (deterministic; no atomics).
+- backward weights: fc1's gradient per token position j, split over the blocks, the splits added by float32
+  atomics (in deterministic mode, summed in a fixed order).
 
-pos enters fc1 only, so its gradient (colsum dh) W1 and its share of fc1's, colsum(dh)^T pos, are outer products
-the wrapper forms. Layouts: x [B,T,G,D] with unit last stride; out, h, dh [B,Nc,G,*] contiguous.
+pos enters fc1 only, so its gradient is (colsum dh) W1, formed from the row kernel's column sums. Layouts: x [B,T,G,D] with unit last stride; out, h, dh [B,Nc,G,*] contiguous.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import num_sms
+from .common import deterministic, num_sms
 from .tuning import TUNING
 
 
@@ -72,8 +71,9 @@ def _phi_fwd_kernel(X, POS, W1, W2, OUT, HID, sxb, sxt, sxg, n_blocks, G, stride
 
 
 @triton.jit
-def _phi_bwd_rows_kernel(DY, HID, W2, DH, S, n_rows, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+def _phi_bwd_rows_kernel(DY, HID, W2, DH, S, DH_SUM, n_rows, D: tl.constexpr, H: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dh, silu(h), and this program's column sum of dh (DH_SUM[program]: pos's gradient reads it)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ok = rows < n_rows
     d = tl.arange(0, BLOCK_D)
@@ -86,8 +86,9 @@ def _phi_bwd_rows_kernel(DY, HID, W2, DH, S, n_rows, D: tl.constexpr, H: tl.cons
     mask = ok[:, None] & h_ok[None, :]
     h = tl.load(HID + rows[:, None] * H + hh[None, :], mask=mask, other=0.0)
     sig = tl.sigmoid(h)
-    tl.store(DH + rows[:, None] * H + hh[None, :], (ds * sig * (1 + h * (1 - sig))).to(DH.dtype.element_ty),
-             mask=mask)
+    dh = (ds * sig * (1 + h * (1 - sig))).to(DH.dtype.element_ty)
+    tl.store(DH + rows[:, None] * H + hh[None, :], dh, mask=mask)
+    tl.store(DH_SUM + tl.program_id(0) * H + hh, tl.sum(dh.to(tl.float32), 0), mask=h_ok)
     tl.store(S + rows[:, None] * H + hh[None, :], (h * sig).to(S.dtype.element_ty), mask=mask)
 
 
@@ -136,10 +137,11 @@ def _phi_bwd_tokens_kernel(DH, DY, W1, DX, sdb, sdt, sdg, T, n_blocks, G, stride
 
 
 @triton.jit
-def _phi_bwd_w1_kernel(DH, X, PART, sxb, sxt, sxg, n_rows, rows_per_split, n_blocks, G, stride,
+def _phi_bwd_w1_kernel(DH, X, POS, PART, sxb, sxt, sxg, n_rows, rows_per_split, n_blocks, G, stride,
                        L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    """PART[split, :, j*D:(j+1)*D] = sum over this split's blocks of dh^T x[block's j-th token]."""
+                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+    """PART[split, :, j*D:(j+1)*D] = sum over this split's blocks of dh^T (x[block's j-th token] + pos_j), fc1's
+    input as the forward rounded it; with ATOMIC, added into PART[0] instead."""
     j = tl.program_id(0)
     split = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -149,6 +151,7 @@ def _phi_bwd_w1_kernel(DH, X, PART, sxb, sxt, sxg, n_rows, rows_per_split, n_blo
     start = split * rows_per_split
     end = tl.minimum(start + rows_per_split, n_rows)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    pos = tl.load(POS + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
     for m0 in range(start, end, BLOCK_K):
         m = m0 + tl.arange(0, BLOCK_K)
         ok = m < end
@@ -157,10 +160,13 @@ def _phi_bwd_w1_kernel(DH, X, PART, sxb, sxt, sxg, n_rows, rows_per_split, n_blo
         g = m % G
         dht = tl.load(DH + m.to(tl.int64)[None, :] * H + hh[:, None], mask=h_ok[:, None] & ok[None, :], other=0.0)
         x_off = b * sxb + (i * stride + j).to(tl.int64) * sxt + g * sxg
-        x = tl.load(X + x_off[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(dht, x.to(dht.dtype), acc)
-    tl.store(PART + split * (H * L * D) + hh[:, None] * (L * D) + j * D + d[None, :], acc,
-             mask=h_ok[:, None] & d_ok[None, :])
+        x = tl.load(X + x_off[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(dht, (x + pos[None, :]).to(dht.dtype), acc)  # rows past the end meet dh = 0
+    off = hh[:, None] * (L * D) + j * D + d[None, :]
+    if ATOMIC:
+        tl.atomic_add(PART + off, acc, mask=h_ok[:, None] & d_ok[None, :], sem="relaxed")
+    else:
+        tl.store(PART + split * (H * L * D) + off, acc, mask=h_ok[:, None] & d_ok[None, :])
 
 
 def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
@@ -194,8 +200,9 @@ def _(x, pos, w1, w2, block_len, block_stride):
 
 def _splits(n_rows: int, block_len: int, x: Tensor) -> int:
     """Row splits of fc1's weight gradient: enough programs for every SM, each at least phi_w1_rows rows."""
-    rows = TUNING.phi_w1_rows if x.is_cuda else 16
-    return max(1, min(triton.cdiv(2 * num_sms(x.device), block_len), triton.cdiv(n_rows, rows)))
+    if not x.is_cuda:
+        return min(4, triton.cdiv(n_rows, 16))  # several splits in CPU tests
+    return max(1, min(triton.cdiv(2 * num_sms(x.device), block_len), triton.cdiv(n_rows, TUNING.phi_w1_rows)))
 
 
 @torch.library.custom_op("nsa::phi_mlp_backward", mutates_args=())
@@ -209,9 +216,10 @@ def phi_mlp_backward(dy: Tensor, x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor,
     block_m, block_d, block_h = _launch_shape(x, H)
     dh = torch.empty_like(hid, dtype=x.dtype)
     s = torch.empty_like(dh)
-    _phi_bwd_rows_kernel[(triton.cdiv(n_rows, block_m),)](dy, hid, w2, dh, s, n_rows, D=D, H=H, BLOCK_D=block_d,
-                                                          BLOCK_H=block_h, BLOCK_M=block_m,
-                                                          num_warps=TUNING.phi_warps)
+    row_programs = triton.cdiv(n_rows, block_m)
+    dh_sums = x.new_empty(row_programs, H, dtype=torch.float32)
+    _phi_bwd_rows_kernel[(row_programs,)](dy, hid, w2, dh, s, dh_sums, n_rows, D=D, H=H, BLOCK_D=block_d,
+                                          BLOCK_H=block_h, BLOCK_M=block_m, num_warps=TUNING.phi_warps)
     dx = torch.empty_like(x)
     n_chunks = triton.cdiv(T, block_stride)
     grid = (triton.cdiv(n_chunks, block_m), B * G)
@@ -220,14 +228,15 @@ def phi_mlp_backward(dy: Tensor, x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor,
                                  BLOCK_H=block_h, BLOCK_C=block_m, num_warps=TUNING.phi_warps)
     splits = _splits(n_rows, block_len, x)
     rows_per_split = triton.cdiv(n_rows, splits)
-    part = x.new_empty(splits, H, block_len * D, dtype=torch.float32)
-    _phi_bwd_w1_kernel[(block_len, splits)](dh, x, part, x.stride(0), x.stride(1), x.stride(2), n_rows,
+    # Float32 atomics add the splits in no fixed order; deterministic mode sums them in order instead.
+    atomic = splits > 1 and not deterministic()
+    part = (x.new_zeros if atomic else x.new_empty)(1 if atomic else splits, H, block_len * D, dtype=torch.float32)
+    _phi_bwd_w1_kernel[(block_len, splits)](dh, x, pos, part, x.stride(0), x.stride(1), x.stride(2), n_rows,
                                             rows_per_split, n_blocks, G, block_stride, L=block_len, D=D, H=H,
-                                            BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=block_m,
+                                            BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic,
                                             num_warps=TUNING.phi_warps)
-    dh_sum = dh.view(n_rows, H).sum(0, dtype=torch.float32)
-    dw1 = part.sum(0).addr_(dh_sum, pos.reshape(-1).float())
-    dpos = (dh_sum @ w1.float()).view(block_len, D)
+    dw1 = part.sum(0) if part.shape[0] > 1 else part[0]
+    dpos = (dh_sums.sum(0) @ w1.float()).view(block_len, D)
     dw2 = dy.view(n_rows, D).t() @ s.view(n_rows, H)
     return dx, dpos.to(pos.dtype), dw1.to(w1.dtype), dw2.to(w2.dtype)
 

@@ -135,7 +135,7 @@ class Tuning:
     """Blocks per program of phi's kernels (compression.py; chunks of block_stride tokens in the token gradient's,
     rows per step in fc1's weight gradient's)."""
     phi_warps: int = 4
-    phi_w1_rows: int = 512
+    phi_w1_rows: int = 1024
     """Fewest blocks per program of fc1's weight-gradient kernel (it splits the blocks until every SM has two)."""
     branch_streams: bool = True
     """On CUDA, queue the compressed branch (forward with the block choice, and its dK/dV) on a second stream,
