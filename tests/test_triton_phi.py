@@ -67,17 +67,21 @@ def test_phi_kernels_give_tokens_past_the_last_block_no_gradient():
     assert dx[:, 12:].abs().max() == 0 and dx[:, :12].abs().min() > 0
 
 
-def test_phi_kernels_in_half_precision():
+@pytest.mark.parametrize("weights", ["float16", "float32"], ids=["half weights", "float32 weights (autocast)"])
+def test_phi_kernels_in_half_precision(weights):
     ref, fast = pair(16, 32, 8, 4)
+    fast.to(getattr(torch, weights))
     x = keys(2, 27, 2, 16)
     x16 = x.detach().half().requires_grad_()
     want = ref(x)
-    got = fast.half()(x16)
+    got = fast(x16)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    weights = torch.randn_like(want)
-    dx = torch.autograd.grad((got.float() * weights).sum(), x16)[0]
-    torch.testing.assert_close(dx.float(), grads(ref, x, want, weights)[0], rtol=2e-2, atol=2e-2)
+    w = torch.randn_like(want)
+    got_grads = grads(fast, x16, got.float(), w)
+    assert [g.dtype for g in got_grads[1:]] == [getattr(torch, weights)] * 3
+    for g, r in zip(got_grads, grads(ref, x, want, w)):
+        torch.testing.assert_close(g.float(), r, rtol=2e-2, atol=2e-2)
 
 
 def test_other_geometries_and_short_sequences_take_the_pytorch_path():

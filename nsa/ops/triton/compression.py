@@ -11,12 +11,13 @@ further passes of the same size; those elementwise kernels cost ~2 ms of a 170 m
 
 - forward: one program per tile of blocks accumulates h over the l token positions (a tensor-core product per
   position), the mean beside it, then applies silu and fc2; it keeps h (float32) for the backward;
-- backward rows: dh = (dy W2) * silu'(h), and silu(h) for fc2's weight gradient;
+- backward rows: dh = (dy W2) * silu'(h), and fc2's weight gradient;
 - backward tokens: each token's gradient gathers the r = l/d blocks that contain it (r in {1, 2});
-- backward weights: fc1's gradient per token position j, split over the blocks, the splits added by float32
-  atomics (in deterministic mode, summed in a fixed order).
+- backward weights: fc1's and pos's gradients per token position j (pos enters fc1 only: its gradient is
+  (colsum dh) W1_j), split over the blocks.
 
-pos enters fc1 only, so its gradient is (colsum dh) W1, formed from the row kernel's column sums. Layouts: x [B,T,G,D] with unit last stride; out, h, dh [B,Nc,G,*] contiguous.
+The weight gradients' partial sums are added by float32 atomics, or in deterministic mode summed in a fixed
+order. Weights stay in their own type (float32 parameters under autocast): the kernels round them as they load. Layouts: x [B,T,G,D] with unit last stride; out, h, dh [B,Nc,G,*] contiguous.
 """
 
 from __future__ import annotations
@@ -61,19 +62,20 @@ def _phi_fwd_kernel(X, POS, W1, W2, OUT, HID, sxb, sxt, sxg, n_blocks, G, stride
         total += xj
         pos = tl.load(POS + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
         w1 = tl.load(W1 + hh[None, :] * (L * D) + j * D + d[:, None], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
-        acc = tl.dot((xj + pos[None, :]).to(W1.dtype.element_ty), w1, acc)
+        acc = tl.dot((xj + pos[None, :]).to(X.dtype.element_ty), w1.to(X.dtype.element_ty), acc)
     out_rows = ((b * n_blocks + i) * G + g).to(tl.int64)
     tl.store(HID + out_rows[:, None] * H + hh[None, :], acc, mask=ok[:, None] & h_ok[None, :])
     s = acc * tl.sigmoid(acc)
     w2t = tl.load(W2 + d[None, :] * H + hh[:, None], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    out = total / L + tl.dot(s.to(W2.dtype.element_ty), w2t)
+    out = total / L + tl.dot(s.to(X.dtype.element_ty), w2t.to(X.dtype.element_ty))
     tl.store(OUT + out_rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _phi_bwd_rows_kernel(DY, HID, W2, DH, S, DH_SUM, n_rows, D: tl.constexpr, H: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dh, silu(h), and this program's column sum of dh (DH_SUM[program]: pos's gradient reads it)."""
+def _phi_bwd_rows_kernel(DY, HID, W2, DH, DW2, n_rows, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr):
+    """dh = (dy W2) * silu'(h), and fc2's weight gradient dy^T silu(h) over this program's rows, added into DW2[0]
+    (ATOMIC) or written to DW2[program]."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ok = rows < n_rows
     d = tl.arange(0, BLOCK_D)
@@ -82,14 +84,18 @@ def _phi_bwd_rows_kernel(DY, HID, W2, DH, S, DH_SUM, n_rows, D: tl.constexpr, H:
     h_ok = hh < H
     dy = tl.load(DY + rows[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
     w2 = tl.load(W2 + d[:, None] * H + hh[None, :], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
-    ds = tl.dot(dy.to(W2.dtype.element_ty), w2)
+    ds = tl.dot(dy, w2.to(dy.dtype))
     mask = ok[:, None] & h_ok[None, :]
     h = tl.load(HID + rows[:, None] * H + hh[None, :], mask=mask, other=0.0)
     sig = tl.sigmoid(h)
-    dh = (ds * sig * (1 + h * (1 - sig))).to(DH.dtype.element_ty)
-    tl.store(DH + rows[:, None] * H + hh[None, :], dh, mask=mask)
-    tl.store(DH_SUM + tl.program_id(0) * H + hh, tl.sum(dh.to(tl.float32), 0), mask=h_ok)
-    tl.store(S + rows[:, None] * H + hh[None, :], (h * sig).to(S.dtype.element_ty), mask=mask)
+    tl.store(DH + rows[:, None] * H + hh[None, :], (ds * sig * (1 + h * (1 - sig))).to(DH.dtype.element_ty),
+             mask=mask)
+    dw2 = tl.dot(tl.trans(dy), (h * sig).to(dy.dtype))  # rows past the end have dy = 0
+    off = d[:, None] * H + hh[None, :]
+    if ATOMIC:
+        tl.atomic_add(DW2 + off, dw2, mask=d_ok[:, None] & h_ok[None, :], sem="relaxed")
+    else:
+        tl.store(DW2 + tl.program_id(0) * (D * H) + off, dw2, mask=d_ok[:, None] & h_ok[None, :])
 
 
 @triton.jit
@@ -125,11 +131,11 @@ def _phi_bwd_tokens_kernel(DH, DY, W1, DX, sdb, sdt, sdg, T, n_blocks, G, stride
     x_base = DX + b * sdb + g * sdg
     for j in range(stride):
         w1 = tl.load(W1 + hh[:, None] * (L * D) + j * D + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        dx = tl.dot(dh0, w1, mean_part)
+        dx = tl.dot(dh0, w1.to(dh0.dtype), mean_part)
         if R == 2:
             w1b = tl.load(W1 + hh[:, None] * (L * D) + (j + stride) * D + d[None, :],
                           mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-            dx = tl.dot(dh1, w1b, dx)
+            dx = tl.dot(dh1, w1b.to(dh1.dtype), dx)
         t = c * stride + j
         t_ok = t < T
         tl.store(x_base + t.to(tl.int64)[:, None] * sdt + d[None, :], dx.to(DX.dtype.element_ty),
@@ -137,11 +143,12 @@ def _phi_bwd_tokens_kernel(DH, DY, W1, DX, sdb, sdt, sdg, T, n_blocks, G, stride
 
 
 @triton.jit
-def _phi_bwd_w1_kernel(DH, X, POS, PART, sxb, sxt, sxg, n_rows, rows_per_split, n_blocks, G, stride,
+def _phi_bwd_w1_kernel(DH, X, POS, W1, DW1, DPOS, sxb, sxt, sxg, n_rows, rows_per_split, n_blocks, G, stride,
                        L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
-    """PART[split, :, j*D:(j+1)*D] = sum over this split's blocks of dh^T (x[block's j-th token] + pos_j), fc1's
-    input as the forward rounded it; with ATOMIC, added into PART[0] instead."""
+    """Over this split's blocks, for token position j: fc1's weight gradient dh^T (x[block's j-th token] + pos_j)
+    (fc1's input as the forward rounded it) into DW1[split, :, j*D:(j+1)*D], and pos_j's, (colsum dh) W1_j, into
+    DPOS[split, j]; with ATOMIC, both added into split 0's."""
     j = tl.program_id(0)
     split = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -151,6 +158,7 @@ def _phi_bwd_w1_kernel(DH, X, POS, PART, sxb, sxt, sxg, n_rows, rows_per_split, 
     start = split * rows_per_split
     end = tl.minimum(start + rows_per_split, n_rows)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    dh_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     pos = tl.load(POS + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
     for m0 in range(start, end, BLOCK_K):
         m = m0 + tl.arange(0, BLOCK_K)
@@ -162,11 +170,16 @@ def _phi_bwd_w1_kernel(DH, X, POS, PART, sxb, sxt, sxg, n_rows, rows_per_split, 
         x_off = b * sxb + (i * stride + j).to(tl.int64) * sxt + g * sxg
         x = tl.load(X + x_off[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         acc = tl.dot(dht, (x + pos[None, :]).to(dht.dtype), acc)  # rows past the end meet dh = 0
+        dh_sum += tl.sum(dht.to(tl.float32), 1)
     off = hh[:, None] * (L * D) + j * D + d[None, :]
+    w_mask = h_ok[:, None] & d_ok[None, :]
+    dpos = tl.sum(dh_sum[:, None] * tl.load(W1 + off, mask=w_mask, other=0.0).to(tl.float32), 0)
     if ATOMIC:
-        tl.atomic_add(PART + off, acc, mask=h_ok[:, None] & d_ok[None, :], sem="relaxed")
+        tl.atomic_add(DW1 + off, acc, mask=w_mask, sem="relaxed")
+        tl.atomic_add(DPOS + j * D + d, dpos, mask=d_ok, sem="relaxed")
     else:
-        tl.store(PART + split * (H * L * D) + off, acc, mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(DW1 + split * (H * L * D) + off, acc, mask=w_mask)
+        tl.store(DPOS + split * (L * D) + j * D + d, dpos, mask=d_ok)
 
 
 def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
@@ -177,7 +190,8 @@ def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
 @torch.library.custom_op("nsa::phi_mlp", mutates_args=())
 def phi_mlp_forward(x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, block_len: int,
                     block_stride: int) -> tuple[Tensor, Tensor]:
-    """(out [B,Nc,G,D] in x's type, h [B,Nc,G,H] float32 for the backward); pos, w1, w2 in x's type."""
+    """(out [B,Nc,G,D] in x's type, h [B,Nc,G,H] float32 for the backward). pos, w1 and w2 may be of a wider type
+    (float32 parameters under autocast): the kernels round them to x's type as they load them."""
     B, T, G, D = x.shape
     H = w1.shape[0]
     n_blocks = (T - block_len) // block_stride + 1
@@ -214,31 +228,30 @@ def phi_mlp_backward(dy: Tensor, x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor,
     n_blocks, H = hid.shape[1], hid.shape[3]
     n_rows = B * n_blocks * G
     block_m, block_d, block_h = _launch_shape(x, H)
-    dh = torch.empty_like(hid, dtype=x.dtype)
-    s = torch.empty_like(dh)
     row_programs = triton.cdiv(n_rows, block_m)
-    dh_sums = x.new_empty(row_programs, H, dtype=torch.float32)
-    _phi_bwd_rows_kernel[(row_programs,)](dy, hid, w2, dh, s, dh_sums, n_rows, D=D, H=H, BLOCK_D=block_d,
-                                          BLOCK_H=block_h, BLOCK_M=block_m, num_warps=TUNING.phi_warps)
+    splits = _splits(n_rows, block_len, x)
+    # The weight gradients' partial sums: float32 atomics add them in no fixed order; deterministic mode writes
+    # one slice per program and sums them in order.
+    atomic = not deterministic()
+    w_slots, w2_slots = (1, 1) if atomic else (splits, row_programs)
+    alloc = x.new_zeros if atomic else x.new_empty
+    dw1, dpos, dw2 = (alloc(n, *w.shape, dtype=torch.float32) for n, w in ((w_slots, w1), (w_slots, pos),
+                                                                               (w2_slots, w2)))
+    dh = torch.empty_like(hid, dtype=x.dtype)
+    _phi_bwd_rows_kernel[(row_programs,)](dy, hid, w2, dh, dw2, n_rows, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
+                                          BLOCK_M=block_m, ATOMIC=atomic, num_warps=TUNING.phi_warps)
     dx = torch.empty_like(x)
     n_chunks = triton.cdiv(T, block_stride)
     grid = (triton.cdiv(n_chunks, block_m), B * G)
     _phi_bwd_tokens_kernel[grid](dh, dy, w1, dx, dx.stride(0), dx.stride(1), dx.stride(2), T, n_blocks, G,
                                  block_stride, L=block_len, R=block_len // block_stride, D=D, H=H, BLOCK_D=block_d,
                                  BLOCK_H=block_h, BLOCK_C=block_m, num_warps=TUNING.phi_warps)
-    splits = _splits(n_rows, block_len, x)
-    rows_per_split = triton.cdiv(n_rows, splits)
-    # Float32 atomics add the splits in no fixed order; deterministic mode sums them in order instead.
-    atomic = splits > 1 and not deterministic()
-    part = (x.new_zeros if atomic else x.new_empty)(1 if atomic else splits, H, block_len * D, dtype=torch.float32)
-    _phi_bwd_w1_kernel[(block_len, splits)](dh, x, pos, part, x.stride(0), x.stride(1), x.stride(2), n_rows,
-                                            rows_per_split, n_blocks, G, block_stride, L=block_len, D=D, H=H,
-                                            BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic,
+    _phi_bwd_w1_kernel[(block_len, splits)](dh, x, pos, w1, dw1, dpos, x.stride(0), x.stride(1), x.stride(2), n_rows,
+                                            triton.cdiv(n_rows, splits), n_blocks, G, block_stride, L=block_len, D=D,
+                                            H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic,
                                             num_warps=TUNING.phi_warps)
-    dw1 = part.sum(0) if part.shape[0] > 1 else part[0]
-    dpos = (dh_sums.sum(0) @ w1.float()).view(block_len, D)
-    dw2 = dy.view(n_rows, D).t() @ s.view(n_rows, H)
-    return dx, dpos.to(pos.dtype), dw1.to(w1.dtype), dw2.to(w2.dtype)
+    dw1, dpos, dw2 = (g[0] if g.shape[0] == 1 else g.sum(0) for g in (dw1, dpos, dw2))
+    return dx, *(g.to(w.dtype) for g, w in ((dpos, pos), (dw1, w1), (dw2, w2)))
 
 
 @phi_mlp_backward.register_fake
@@ -263,7 +276,6 @@ phi_mlp_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def phi_mlp_triton(x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, block_len: int, block_stride: int) -> Tensor:
     """mean + W2 silu(W1 (block + pos)) of each block of x [B,T,G,D] (T >= block_len), in x's type."""
-    dtype = x.dtype
     x = x if x.stride(-1) == 1 else x.contiguous()
-    pos, w1, w2 = (p.to(dtype).contiguous() for p in (pos, w1, w2))
+    pos, w1, w2 = (p.contiguous() for p in (pos, w1, w2))
     return phi_mlp_forward(x, pos, w1, w2, block_len, block_stride)[0]
