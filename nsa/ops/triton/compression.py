@@ -17,7 +17,7 @@ further passes of the same size; those elementwise kernels cost ~2 ms of a 170 m
   (colsum dh) W1_j), split over the blocks.
 
 The weight gradients' partial sums are added by float32 atomics, or in deterministic mode summed in a fixed
-order. Weights stay in their own type (float32 parameters under autocast): the kernels round them as they load. Layouts: x [B,T,G,D] with unit last stride; out, h, dh [B,Nc,G,*] contiguous.
+order. Layouts: x [B,T,G,D] with unit last stride; out, h, dh [B,Nc,G,*] contiguous.
 """
 
 from __future__ import annotations
@@ -62,20 +62,20 @@ def _phi_fwd_kernel(X, POS, W1, W2, OUT, HID, sxb, sxt, sxg, n_blocks, G, stride
         total += xj
         pos = tl.load(POS + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
         w1 = tl.load(W1 + hh[None, :] * (L * D) + j * D + d[:, None], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
-        acc = tl.dot((xj + pos[None, :]).to(X.dtype.element_ty), w1.to(X.dtype.element_ty), acc)
+        acc = tl.dot((xj + pos[None, :]).to(W1.dtype.element_ty), w1, acc)
     out_rows = ((b * n_blocks + i) * G + g).to(tl.int64)
     tl.store(HID + out_rows[:, None] * H + hh[None, :], acc, mask=ok[:, None] & h_ok[None, :])
     s = acc * tl.sigmoid(acc)
     w2t = tl.load(W2 + d[None, :] * H + hh[:, None], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    out = total / L + tl.dot(s.to(X.dtype.element_ty), w2t.to(X.dtype.element_ty))
+    out = total / L + tl.dot(s.to(W2.dtype.element_ty), w2t)
     tl.store(OUT + out_rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _phi_bwd_rows_kernel(DY, HID, W2, DH, DW2, n_rows, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr):
-    """dh = (dy W2) * silu'(h), and fc2's weight gradient dy^T silu(h) over this program's rows, added into DW2[0]
-    (ATOMIC) or written to DW2[program]."""
+def _phi_bwd_rows_kernel(DY, HID, W2, DH, DH_SUM, DW2, n_rows, D: tl.constexpr, H: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr):
+    """dh = (dy W2) * silu'(h); its column sum over this program's rows into DH_SUM[program]; and fc2's weight
+    gradient dy^T silu(h) over them, added into DW2[0] (ATOMIC) or written to DW2[program]."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ok = rows < n_rows
     d = tl.arange(0, BLOCK_D)
@@ -88,8 +88,9 @@ def _phi_bwd_rows_kernel(DY, HID, W2, DH, DW2, n_rows, D: tl.constexpr, H: tl.co
     mask = ok[:, None] & h_ok[None, :]
     h = tl.load(HID + rows[:, None] * H + hh[None, :], mask=mask, other=0.0)
     sig = tl.sigmoid(h)
-    tl.store(DH + rows[:, None] * H + hh[None, :], (ds * sig * (1 + h * (1 - sig))).to(DH.dtype.element_ty),
-             mask=mask)
+    dh = (ds * sig * (1 + h * (1 - sig))).to(DH.dtype.element_ty)
+    tl.store(DH + rows[:, None] * H + hh[None, :], dh, mask=mask)
+    tl.store(DH_SUM + tl.program_id(0) * H + hh, tl.sum(dh.to(tl.float32), 0), mask=h_ok)
     dw2 = tl.dot(tl.trans(dy), (h * sig).to(dy.dtype))  # rows past the end have dy = 0
     off = d[:, None] * H + hh[None, :]
     if ATOMIC:
@@ -143,12 +144,12 @@ def _phi_bwd_tokens_kernel(DH, DY, W1, DX, sdb, sdt, sdg, T, n_blocks, G, stride
 
 
 @triton.jit
-def _phi_bwd_w1_kernel(DH, X, POS, W1, DW1, DPOS, sxb, sxt, sxg, n_rows, rows_per_split, n_blocks, G, stride,
-                       L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
+def _phi_bwd_w1_kernel(DH, X, POS, W1, DH_SUM, DW1, DPOS, sxb, sxt, sxg, n_rows, rows_per_split, n_sums, n_blocks,
+                       G, stride, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
-    """Over this split's blocks, for token position j: fc1's weight gradient dh^T (x[block's j-th token] + pos_j)
-    (fc1's input as the forward rounded it) into DW1[split, :, j*D:(j+1)*D], and pos_j's, (colsum dh) W1_j, into
-    DPOS[split, j]; with ATOMIC, both added into split 0's."""
+    """For token position j, over this split's blocks: fc1's weight gradient dh^T (x[block's j-th token] + pos_j)
+    (fc1's input as the forward rounded it) into DW1[split, :, j*D:(j+1)*D], or with ATOMIC added into split 0's.
+    Split 0 also writes pos_j's gradient (colsum dh) W1_j from the row kernel's n_sums column sums."""
     j = tl.program_id(0)
     split = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -158,7 +159,6 @@ def _phi_bwd_w1_kernel(DH, X, POS, W1, DW1, DPOS, sxb, sxt, sxg, n_rows, rows_pe
     start = split * rows_per_split
     end = tl.minimum(start + rows_per_split, n_rows)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    dh_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     pos = tl.load(POS + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
     for m0 in range(start, end, BLOCK_K):
         m = m0 + tl.arange(0, BLOCK_K)
@@ -170,16 +170,21 @@ def _phi_bwd_w1_kernel(DH, X, POS, W1, DW1, DPOS, sxb, sxt, sxg, n_rows, rows_pe
         x_off = b * sxb + (i * stride + j).to(tl.int64) * sxt + g * sxg
         x = tl.load(X + x_off[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         acc = tl.dot(dht, (x + pos[None, :]).to(dht.dtype), acc)  # rows past the end meet dh = 0
-        dh_sum += tl.sum(dht.to(tl.float32), 1)
     off = hh[:, None] * (L * D) + j * D + d[None, :]
     w_mask = h_ok[:, None] & d_ok[None, :]
-    dpos = tl.sum(dh_sum[:, None] * tl.load(W1 + off, mask=w_mask, other=0.0).to(tl.float32), 0)
     if ATOMIC:
         tl.atomic_add(DW1 + off, acc, mask=w_mask, sem="relaxed")
-        tl.atomic_add(DPOS + j * D + d, dpos, mask=d_ok, sem="relaxed")
     else:
         tl.store(DW1 + split * (H * L * D) + off, acc, mask=w_mask)
-        tl.store(DPOS + split * (L * D) + j * D + d, dpos, mask=d_ok)
+    if split == 0:
+        dh_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for p0 in range(0, n_sums, BLOCK_K):
+            p = p0 + tl.arange(0, BLOCK_K)
+            part = tl.load(DH_SUM + p[:, None] * H + hh[None, :], mask=(p < n_sums)[:, None] & h_ok[None, :],
+                           other=0.0)
+            dh_sum += tl.sum(part, 0)
+        w1 = tl.load(W1 + off, mask=w_mask, other=0.0).to(tl.float32)
+        tl.store(DPOS + j * D + d, tl.sum(dh_sum[:, None] * w1, 0), mask=d_ok)
 
 
 def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
@@ -190,8 +195,7 @@ def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
 @torch.library.custom_op("nsa::phi_mlp", mutates_args=())
 def phi_mlp_forward(x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, block_len: int,
                     block_stride: int) -> tuple[Tensor, Tensor]:
-    """(out [B,Nc,G,D] in x's type, h [B,Nc,G,H] float32 for the backward). pos, w1 and w2 may be of a wider type
-    (float32 parameters under autocast): the kernels round them to x's type as they load them."""
+    """(out [B,Nc,G,D] in x's type, h [B,Nc,G,H] float32 for the backward); pos, w1, w2 in x's type."""
     B, T, G, D = x.shape
     H = w1.shape[0]
     n_blocks = (T - block_len) // block_stride + 1
@@ -235,22 +239,24 @@ def phi_mlp_backward(dy: Tensor, x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor,
     atomic = not deterministic()
     w_slots, w2_slots = (1, 1) if atomic else (splits, row_programs)
     alloc = x.new_zeros if atomic else x.new_empty
-    dw1, dpos, dw2 = (alloc(n, *w.shape, dtype=torch.float32) for n, w in ((w_slots, w1), (w_slots, pos),
-                                                                               (w2_slots, w2)))
+    dw1, dw2 = (alloc(n, *w.shape, dtype=torch.float32) for n, w in ((w_slots, w1), (w2_slots, w2)))
+    dpos = x.new_empty(pos.shape, dtype=torch.float32)
     dh = torch.empty_like(hid, dtype=x.dtype)
-    _phi_bwd_rows_kernel[(row_programs,)](dy, hid, w2, dh, dw2, n_rows, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
-                                          BLOCK_M=block_m, ATOMIC=atomic, num_warps=TUNING.phi_warps)
+    dh_sums = x.new_empty(row_programs, H, dtype=torch.float32)
+    _phi_bwd_rows_kernel[(row_programs,)](dy, hid, w2, dh, dh_sums, dw2, n_rows, D=D, H=H, BLOCK_D=block_d,
+                                          BLOCK_H=block_h, BLOCK_M=block_m, ATOMIC=atomic,
+                                          num_warps=TUNING.phi_warps)
     dx = torch.empty_like(x)
     n_chunks = triton.cdiv(T, block_stride)
     grid = (triton.cdiv(n_chunks, block_m), B * G)
     _phi_bwd_tokens_kernel[grid](dh, dy, w1, dx, dx.stride(0), dx.stride(1), dx.stride(2), T, n_blocks, G,
                                  block_stride, L=block_len, R=block_len // block_stride, D=D, H=H, BLOCK_D=block_d,
                                  BLOCK_H=block_h, BLOCK_C=block_m, num_warps=TUNING.phi_warps)
-    _phi_bwd_w1_kernel[(block_len, splits)](dh, x, pos, w1, dw1, dpos, x.stride(0), x.stride(1), x.stride(2), n_rows,
-                                            triton.cdiv(n_rows, splits), n_blocks, G, block_stride, L=block_len, D=D,
-                                            H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic,
-                                            num_warps=TUNING.phi_warps)
-    dw1, dpos, dw2 = (g[0] if g.shape[0] == 1 else g.sum(0) for g in (dw1, dpos, dw2))
+    _phi_bwd_w1_kernel[(block_len, splits)](dh, x, pos, w1, dh_sums, dw1, dpos, x.stride(0), x.stride(1),
+                                            x.stride(2), n_rows, triton.cdiv(n_rows, splits), row_programs, n_blocks,
+                                            G, block_stride, L=block_len, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
+                                            BLOCK_K=block_m, ATOMIC=atomic, num_warps=TUNING.phi_warps)
+    dw1, dw2 = (g[0] if g.shape[0] == 1 else g.sum(0) for g in (dw1, dw2))
     return dx, *(g.to(w.dtype) for g, w in ((dpos, pos), (dw1, w1), (dw2, w2)))
 
 
@@ -277,5 +283,7 @@ phi_mlp_forward.register_autograd(_backward, setup_context=_setup_context)
 def phi_mlp_triton(x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, block_len: int, block_stride: int) -> Tensor:
     """mean + W2 silu(W1 (block + pos)) of each block of x [B,T,G,D] (T >= block_len), in x's type."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    pos, w1, w2 = (p.contiguous() for p in (pos, w1, w2))
+    # Weights are rounded here, not as the kernels load them: float32 loads in their inner loops cost more
+    # (H100, M7C 2k x 32: the forward and token-gradient kernels 1.5-1.9x slower) than these small casts.
+    pos, w1, w2 = (p.to(x.dtype).contiguous() for p in (pos, w1, w2))
     return phi_mlp_forward(x, pos, w1, w2, block_len, block_stride)[0]
