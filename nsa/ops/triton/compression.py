@@ -67,7 +67,7 @@ def _phi_fwd_kernel(X, POS, W1, W2, OUT, HID, sxb, sxt, sxg, n_blocks, G, stride
     tl.store(HID + out_rows[:, None] * H + hh[None, :], acc, mask=ok[:, None] & h_ok[None, :])
     s = acc * tl.sigmoid(acc)
     w2t = tl.load(W2 + d[None, :] * H + hh[:, None], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    out = total / L + tl.dot(s.to(W2.dtype.element_ty), w2t)
+    out = total / L + tl.dot(s.to(X.dtype.element_ty), w2t.to(X.dtype.element_ty))
     tl.store(OUT + out_rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
@@ -195,7 +195,10 @@ def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
 @torch.library.custom_op("nsa::phi_mlp", mutates_args=())
 def phi_mlp_forward(x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, block_len: int,
                     block_stride: int) -> tuple[Tensor, Tensor]:
-    """(out [B,Nc,G,D] in x's type, h [B,Nc,G,H] float32 for the backward); pos, w1, w2 in x's type."""
+    """(out [B,Nc,G,D] in x's type, h [B,Nc,G,H] float32 for the backward). pos, w1 and w2 may be wider than x
+    (float32 parameters under autocast): the kernels round pos and w2 as they load them (once a program), w1 is
+    rounded here (its inner loops would pay for wide loads: the forward and token-gradient kernels ran 1.5-1.9x
+    slower, H100, M7C 2k x 32). Their gradients come back in their own types, with no casts either way."""
     B, T, G, D = x.shape
     H = w1.shape[0]
     n_blocks = (T - block_len) // block_stride + 1
@@ -203,7 +206,7 @@ def phi_mlp_forward(x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, block_len: i
     hid = x.new_empty(B, n_blocks, G, H, dtype=torch.float32)
     block_m, block_d, block_h = _launch_shape(x, H)
     grid = (triton.cdiv(n_blocks, block_m), B * G)
-    _phi_fwd_kernel[grid](x, pos, w1, w2, out, hid, x.stride(0), x.stride(1), x.stride(2), n_blocks, G, block_stride,
+    _phi_fwd_kernel[grid](x, pos, w1.to(x.dtype), w2, out, hid, x.stride(0), x.stride(1), x.stride(2), n_blocks, G, block_stride,
                           L=block_len, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m,
                           num_warps=TUNING.phi_warps)
     return out, hid
@@ -249,7 +252,7 @@ def phi_mlp_backward(dy: Tensor, x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor,
     dx = torch.empty_like(x)
     n_chunks = triton.cdiv(T, block_stride)
     grid = (triton.cdiv(n_chunks, block_m), B * G)
-    _phi_bwd_tokens_kernel[grid](dh, dy, w1, dx, dx.stride(0), dx.stride(1), dx.stride(2), T, n_blocks, G,
+    _phi_bwd_tokens_kernel[grid](dh, dy, w1.to(x.dtype), dx, dx.stride(0), dx.stride(1), dx.stride(2), T, n_blocks, G,
                                  block_stride, L=block_len, R=block_len // block_stride, D=D, H=H, BLOCK_D=block_d,
                                  BLOCK_H=block_h, BLOCK_C=block_m, num_warps=TUNING.phi_warps)
     _phi_bwd_w1_kernel[(block_len, splits)](dh, x, pos, w1, dh_sums, dw1, dpos, x.stride(0), x.stride(1),
@@ -283,7 +286,5 @@ phi_mlp_forward.register_autograd(_backward, setup_context=_setup_context)
 def phi_mlp_triton(x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, block_len: int, block_stride: int) -> Tensor:
     """mean + W2 silu(W1 (block + pos)) of each block of x [B,T,G,D] (T >= block_len), in x's type."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    # Weights are rounded here, not as the kernels load them: float32 loads in their inner loops cost more
-    # (H100, M7C 2k x 32: the forward and token-gradient kernels 1.5-1.9x slower) than these small casts.
-    pos, w1, w2 = (p.to(x.dtype).contiguous() for p in (pos, w1, w2))
+    pos, w1, w2 = (p.contiguous() for p in (pos, w1, w2))
     return phi_mlp_forward(x, pos, w1, w2, block_len, block_stride)[0]
