@@ -9,6 +9,7 @@ import torch
 
 from helpers import LaunchSpy
 from nsa.model.compression import BlockCompressor
+from nsa.ops.triton import compression
 from nsa.ops.triton.compression import phi_mlp_supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,8 +95,6 @@ def test_other_geometries_and_short_sequences_take_the_pytorch_path():
 
 
 def test_fc1_splits_add_atomically_unless_deterministic_mode_sums_them_in_order(monkeypatch):
-    from nsa.ops.triton import compression
-
     spy = LaunchSpy(compression._phi_bwd_w1_kernel)
     monkeypatch.setattr(compression, "_phi_bwd_w1_kernel", spy)
     ref, fast = pair(16, 32, 8, 4)
@@ -114,3 +113,30 @@ def test_fc1_splits_add_atomically_unless_deterministic_mode_sums_them_in_order(
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a, w, **TOL)
     torch.testing.assert_close(atomic[2], want[2], **TOL)
+
+
+def test_keys_and_values_in_one_launch_match_each_alone():
+    from nsa.model.compression import compress_pair
+
+    _, first = pair(16, 32, 8, 4)
+    torch.manual_seed(1)
+    _, second = pair(16, 32, 8, 4)
+    for w in second.mlp_weights:  # different weights from the first's
+        torch.nn.init.normal_(w, std=0.3)
+    x, y = keys(2, 27, 2, 16), keys(2, 27, 2, 16)
+    spy = LaunchSpy(compression._phi_fwd_kernel)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compression, "_phi_fwd_kernel", spy)
+        both = compress_pair(first, second, x, y)
+    assert [grid[2] for grid, _ in spy.launches] == [2]  # one launch, two sets
+    alone = first(x), second(y)
+    weights = [torch.randn_like(o) for o in alone]
+    params = [x, y, *first.mlp_weights, *second.mlp_weights]
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(both, weights)), params)
+    want = torch.autograd.grad(sum((o * w).sum() for o, w in zip(alone, weights)), params)
+    for o, a in zip(both, alone):
+        torch.testing.assert_close(o, a, rtol=0, atol=0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+    short = compress_pair(first, second, x[:, :7], y[:, :7])  # shorter than a block: no kernel
+    assert all(o.shape == (2, 0, 2, 16) for o in short)

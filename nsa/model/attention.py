@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import nsa_attention, select_blocks
-from .compression import BlockCompressor
+from .compression import BlockCompressor, compress_pair
 from .config import ModelConfig
 from .rope import apply_rope
 
@@ -101,10 +101,11 @@ class NSAAttention(nn.Module):
         b, t, _ = x.shape
         p = self.project(x, cos, sin)
         nsa = self.cfg.nsa
+        k_cmp, v_cmp = compress_pair(self.compress_k, self.compress_v, p["k_cmp"], p["v_cmp"])
         o = nsa_attention(
             p["q"],
-            self.compress_k(p["k_cmp"]),
-            self.compress_v(p["v_cmp"]),
+            k_cmp,
+            v_cmp,
             p["k_sel"],
             p["v_sel"],
             p["k_win"],

@@ -38,19 +38,44 @@ class BlockCompressor(nn.Module):
         b, t, g, d = x.shape
         if t < self.block_len:
             return x.new_zeros(b, 0, g, d)
-        if self.kind == "mlp" and self._on_triton(x):
+        if self._on_triton(x):
             from ..ops.triton.compression import phi_mlp_triton
 
-            return phi_mlp_triton(x, self.pos, self.fc1.weight, self.fc2.weight, self.block_len, self.block_stride)
+            return phi_mlp_triton((x,), (self.mlp_weights,), self.block_len, self.block_stride)[0]
         blocks = x.unfold(1, self.block_len, self.block_stride).transpose(-1, -2)  # [B,Nc,G,l,D]
         mean = blocks.mean(dim=-2)
         if self.kind == "mean":
             return mean
         return mean + self.fc2(nn.functional.silu(self.fc1((blocks + self.pos).flatten(-2))))
 
+    @property
+    def signature(self) -> tuple:
+        """What two compressors must share to run as one launch: kind, geometry, weight shapes and type."""
+        weights = tuple((w.shape, w.dtype) for w in self.mlp_weights) if self.kind == "mlp" else ()
+        return self.kind, self.block_len, self.block_stride, weights
+
+    @property
+    def mlp_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pos, fc1's weight, fc2's weight) of kind 'mlp'."""
+        return self.pos, self.fc1.weight, self.fc2.weight
+
     def _on_triton(self, x: torch.Tensor) -> bool:
+        """Whether the MLP runs as the Triton kernels for x (T >= block_len)."""
         from ..ops.api import resolve_backend
         from ..ops.triton.compression import phi_mlp_supports
 
-        return (resolve_backend(self.backend, x.device, x.shape[1]) == "triton"
+        return (self.kind == "mlp" and resolve_backend(self.backend, x.device, x.shape[1]) == "triton"
                 and phi_mlp_supports(self.block_len, self.block_stride))
+
+
+def compress_pair(first: BlockCompressor, second: BlockCompressor, x: torch.Tensor,
+                  y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(x), second(y)); where both run as the Triton kernels on inputs of one shape, type and geometry (the
+    keys and values of M7C), as one launch per kernel."""
+    same = (x.shape == y.shape and x.dtype == y.dtype and x.shape[1] >= first.block_len
+            and first.signature == second.signature)
+    if same and first._on_triton(x) and second._on_triton(y):
+        from ..ops.triton.compression import phi_mlp_triton
+
+        return phi_mlp_triton((x, y), (first.mlp_weights, second.mlp_weights), first.block_len, first.block_stride)
+    return first(x), second(y)

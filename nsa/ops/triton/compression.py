@@ -17,7 +17,9 @@ further passes of the same size; those elementwise kernels cost ~2 ms of a 170 m
   (colsum dh) W1_j), split over the blocks.
 
 The weight gradients' partial sums are added by float32 atomics, or in deterministic mode summed in a fixed
-order. Layouts: x [B,T,G,D] with unit last stride; out, h, dh [B,Nc,G,*] contiguous.
+order. One launch serves the keys' and the values' phi together (a grid axis picks the set): alone, each
+kernel's grid fills an H100 about once at M7C 2k x 32. Layouts: x [B,T,G,D] with unit last stride; out, h, dh
+[S,B,Nc,G,*] contiguous, S the number of sets (1 or 2).
 """
 
 from __future__ import annotations
@@ -41,9 +43,22 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _phi_fwd_kernel(X, POS, W1, W2, OUT, HID, sxb, sxt, sxg, n_blocks, G, stride,
-                    L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+def _pick(which, first, second):
+    """first for set 0, second for set 1 (pointers or strides)."""
+    if which == 0:
+        chosen = first
+    else:
+        chosen = second
+    return chosen
+
+
+@triton.jit
+def _phi_fwd_kernel(X0, X1, POS0, POS1, W1_0, W1_1, W2_0, W2_1, OUT, HID, sxb0, sxt0, sxg0, sxb1, sxt1, sxg1,
+                    B, n_blocks, G, stride, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+    which = tl.program_id(2)
+    X, POS, W1, W2 = _pick(which, X0, X1), _pick(which, POS0, POS1), _pick(which, W1_0, W1_1), _pick(which, W2_0, W2_1)
+    sxb, sxt, sxg = _pick(which, sxb0, sxb1), _pick(which, sxt0, sxt1), _pick(which, sxg0, sxg1)
     bg = tl.program_id(1)
     b = (bg // G).to(tl.int64)
     g = bg % G
@@ -63,7 +78,7 @@ def _phi_fwd_kernel(X, POS, W1, W2, OUT, HID, sxb, sxt, sxg, n_blocks, G, stride
         pos = tl.load(POS + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
         w1 = tl.load(W1 + hh[None, :] * (L * D) + j * D + d[:, None], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
         acc = tl.dot((xj + pos[None, :]).to(W1.dtype.element_ty), w1, acc)
-    out_rows = ((b * n_blocks + i) * G + g).to(tl.int64)
+    out_rows = (((which * B + b) * n_blocks + i) * G + g).to(tl.int64)
     tl.store(HID + out_rows[:, None] * H + hh[None, :], acc, mask=ok[:, None] & h_ok[None, :])
     s = acc * tl.sigmoid(acc)
     w2t = tl.load(W2 + d[None, :] * H + hh[:, None], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
@@ -72,12 +87,15 @@ def _phi_fwd_kernel(X, POS, W1, W2, OUT, HID, sxb, sxt, sxg, n_blocks, G, stride
 
 
 @triton.jit
-def _phi_bwd_rows_kernel(DY, HID, W2, DH, DH_SUM, DW2, n_rows, D: tl.constexpr, H: tl.constexpr,
+def _phi_bwd_rows_kernel(DY, HID, W2_0, W2_1, DH, DH_SUM, DW2, n_rows, n_slots, D: tl.constexpr, H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr):
-    """dh = (dy W2) * silu'(h); its column sum over this program's rows into DH_SUM[program]; and fc2's weight
-    gradient dy^T silu(h) over them, added into DW2[0] (ATOMIC) or written to DW2[program]."""
+    """dh = (dy W2) * silu'(h); its column sum over this program's rows into DH_SUM[set, program]; and fc2's
+    weight gradient dy^T silu(h) over them, added into DW2[set, 0] (ATOMIC) or written to DW2[set, program]."""
+    which = tl.program_id(1)
+    W2 = _pick(which, W2_0, W2_1)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ok = rows < n_rows
+    rows += which.to(tl.int64) * n_rows
     d = tl.arange(0, BLOCK_D)
     hh = tl.arange(0, BLOCK_H)
     d_ok = d < D
@@ -90,18 +108,19 @@ def _phi_bwd_rows_kernel(DY, HID, W2, DH, DH_SUM, DW2, n_rows, D: tl.constexpr, 
     sig = tl.sigmoid(h)
     dh = (ds * sig * (1 + h * (1 - sig))).to(DH.dtype.element_ty)
     tl.store(DH + rows[:, None] * H + hh[None, :], dh, mask=mask)
-    tl.store(DH_SUM + tl.program_id(0) * H + hh, tl.sum(dh.to(tl.float32), 0), mask=h_ok)
+    program = which * tl.num_programs(0) + tl.program_id(0)
+    tl.store(DH_SUM + program * H + hh, tl.sum(dh.to(tl.float32), 0), mask=h_ok)
     dw2 = tl.dot(tl.trans(dy), (h * sig).to(dy.dtype))  # rows past the end have dy = 0
     off = d[:, None] * H + hh[None, :]
     if ATOMIC:
-        tl.atomic_add(DW2 + off, dw2, mask=d_ok[:, None] & h_ok[None, :], sem="relaxed")
+        tl.atomic_add(DW2 + which * n_slots * (D * H) + off, dw2, mask=d_ok[:, None] & h_ok[None, :], sem="relaxed")
     else:
-        tl.store(DW2 + tl.program_id(0) * (D * H) + off, dw2, mask=d_ok[:, None] & h_ok[None, :])
+        tl.store(DW2 + program * (D * H) + off, dw2, mask=d_ok[:, None] & h_ok[None, :])
 
 
 @triton.jit
 def _block_rows(DH, DY, b, blk, g, n_blocks, G, hh, d, h_ok, d_ok, valid, H: tl.constexpr, D: tl.constexpr):
-    """dh [rows, BLOCK_H] and dy [rows, BLOCK_D] of blocks blk (0 where not `valid`)."""
+    """dh [rows, BLOCK_H] and dy [rows, BLOCK_D] of blocks blk (0 where not `valid`); b counts sets' batches."""
     row = ((b * n_blocks + blk) * G + g).to(tl.int64)
     dh = tl.load(DH + row[:, None] * H + hh[None, :], mask=valid[:, None] & h_ok[None, :], other=0.0)
     dy = tl.load(DY + row[:, None] * D + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
@@ -109,22 +128,25 @@ def _block_rows(DH, DY, b, blk, g, n_blocks, G, hh, d, h_ok, d_ok, valid, H: tl.
 
 
 @triton.jit
-def _phi_bwd_tokens_kernel(DH, DY, W1, DX, sdb, sdt, sdg, T, n_blocks, G, stride,
+def _phi_bwd_tokens_kernel(DH, DY, W1_0, W1_1, DX0, DX1, sdb, sdt, sdg, B, T, n_blocks, G, stride,
                            L: tl.constexpr, R: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
     """dx for the tokens of BLOCK_C chunks of `stride` tokens: chunk c lies in blocks c (at positions 0..d-1) and,
     with R = 2, c - 1 (at positions d..2d-1)."""
+    which = tl.program_id(2)
+    W1, DX = _pick(which, W1_0, W1_1), _pick(which, DX0, DX1)
     bg = tl.program_id(1)
     b = (bg // G).to(tl.int64)
     g = bg % G
+    sb = which * B + b  # the batch row in the sets' stacked dh and dy
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     d = tl.arange(0, BLOCK_D)
     hh = tl.arange(0, BLOCK_H)
     d_ok = d < D
     h_ok = hh < H
-    dh0, dy0 = _block_rows(DH, DY, b, c, g, n_blocks, G, hh, d, h_ok, d_ok, c < n_blocks, H, D)
+    dh0, dy0 = _block_rows(DH, DY, sb, c, g, n_blocks, G, hh, d, h_ok, d_ok, c < n_blocks, H, D)
     if R == 2:
-        dh1, dy1 = _block_rows(DH, DY, b, c - 1, g, n_blocks, G, hh, d, h_ok, d_ok, (c >= 1) & (c - 1 < n_blocks),
+        dh1, dy1 = _block_rows(DH, DY, sb, c - 1, g, n_blocks, G, hh, d, h_ok, d_ok, (c >= 1) & (c - 1 < n_blocks),
                                H, D)
         mean_part = (dy0 + dy1) / L
     else:
@@ -144,14 +166,18 @@ def _phi_bwd_tokens_kernel(DH, DY, W1, DX, sdb, sdt, sdg, T, n_blocks, G, stride
 
 
 @triton.jit
-def _phi_bwd_w1_kernel(DH, X, POS, W1, DH_SUM, DW1, DPOS, sxb, sxt, sxg, n_rows, rows_per_split, n_sums, n_blocks,
-                       G, stride, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+def _phi_bwd_w1_kernel(DH, X0, X1, POS0, POS1, W1_0, W1_1, DH_SUM, DW1, DPOS, sxb0, sxt0, sxg0, sxb1, sxt1, sxg1,
+                       n_rows, rows_per_split, n_sums, n_blocks, G, stride, L: tl.constexpr, D: tl.constexpr,
+                       H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ATOMIC: tl.constexpr):
     """For token position j, over this split's blocks: fc1's weight gradient dh^T (x[block's j-th token] + pos_j)
-    (fc1's input as the forward rounded it) into DW1[split, :, j*D:(j+1)*D], or with ATOMIC added into split 0's.
-    Split 0 also writes pos_j's gradient (colsum dh) W1_j from the row kernel's n_sums column sums."""
+    (fc1's input as the forward rounded it) into DW1[set, split, :, j*D:(j+1)*D], or with ATOMIC added into split
+    0's. Split 0 also writes pos_j's gradient (colsum dh) W1_j from the row kernel's n_sums column sums."""
     j = tl.program_id(0)
     split = tl.program_id(1)
+    which = tl.program_id(2)
+    X, POS, W1 = _pick(which, X0, X1), _pick(which, POS0, POS1), _pick(which, W1_0, W1_1)
+    sxb, sxt, sxg = _pick(which, sxb0, sxb1), _pick(which, sxt0, sxt1), _pick(which, sxg0, sxg1)
     d = tl.arange(0, BLOCK_D)
     hh = tl.arange(0, BLOCK_H)
     d_ok = d < D
@@ -160,31 +186,35 @@ def _phi_bwd_w1_kernel(DH, X, POS, W1, DH_SUM, DW1, DPOS, sxb, sxt, sxg, n_rows,
     end = tl.minimum(start + rows_per_split, n_rows)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     pos = tl.load(POS + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
+    dh_set = DH + which.to(tl.int64) * n_rows * H
     for m0 in range(start, end, BLOCK_K):
         m = m0 + tl.arange(0, BLOCK_K)
         ok = m < end
         b = (m // (n_blocks * G)).to(tl.int64)
         i = (m // G) % n_blocks
         g = m % G
-        dht = tl.load(DH + m.to(tl.int64)[None, :] * H + hh[:, None], mask=h_ok[:, None] & ok[None, :], other=0.0)
+        dht = tl.load(dh_set + m.to(tl.int64)[None, :] * H + hh[:, None], mask=h_ok[:, None] & ok[None, :],
+                      other=0.0)
         x_off = b * sxb + (i * stride + j).to(tl.int64) * sxt + g * sxg
         x = tl.load(X + x_off[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         acc = tl.dot(dht, (x + pos[None, :]).to(dht.dtype), acc)  # rows past the end meet dh = 0
     off = hh[:, None] * (L * D) + j * D + d[None, :]
     w_mask = h_ok[:, None] & d_ok[None, :]
+    slots = 1 if ATOMIC else tl.num_programs(1)
+    slot = which * slots + (0 if ATOMIC else split)
     if ATOMIC:
-        tl.atomic_add(DW1 + off, acc, mask=w_mask, sem="relaxed")
+        tl.atomic_add(DW1 + slot * (H * L * D) + off, acc, mask=w_mask, sem="relaxed")
     else:
-        tl.store(DW1 + split * (H * L * D) + off, acc, mask=w_mask)
+        tl.store(DW1 + slot * (H * L * D) + off, acc, mask=w_mask)
     if split == 0:
         dh_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
         for p0 in range(0, n_sums, BLOCK_K):
             p = p0 + tl.arange(0, BLOCK_K)
-            part = tl.load(DH_SUM + p[:, None] * H + hh[None, :], mask=(p < n_sums)[:, None] & h_ok[None, :],
-                           other=0.0)
+            part = tl.load(DH_SUM + (which * n_sums + p)[:, None] * H + hh[None, :],
+                           mask=(p < n_sums)[:, None] & h_ok[None, :], other=0.0)
             dh_sum += tl.sum(part, 0)
         w1 = tl.load(W1 + off, mask=w_mask, other=0.0).to(tl.float32)
-        tl.store(DPOS + j * D + d, tl.sum(dh_sum[:, None] * w1, 0), mask=d_ok)
+        tl.store(DPOS + which * (L * D) + j * D + d, tl.sum(dh_sum[:, None] * w1, 0), mask=d_ok)
 
 
 def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
@@ -192,99 +222,127 @@ def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
     return block_m, _pow2(x.shape[-1]), _pow2(hidden)
 
 
+def _n_blocks(T: int, block_len: int, block_stride: int) -> int:
+    return (T - block_len) // block_stride + 1
+
+
 @torch.library.custom_op("nsa::phi_mlp", mutates_args=())
-def phi_mlp_forward(x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, block_len: int,
-                    block_stride: int) -> tuple[Tensor, Tensor]:
-    """(out [B,Nc,G,D] in x's type, h [B,Nc,G,H] float32 for the backward). pos, w1 and w2 may be wider than x
-    (float32 parameters under autocast): the kernels round pos and w2 as they load them (once a program), w1 is
-    rounded here (its inner loops would pay for wide loads: the forward and token-gradient kernels ran 1.5-1.9x
-    slower, H100, M7C 2k x 32). Their gradients come back in their own types, with no casts either way."""
-    B, T, G, D = x.shape
-    H = w1.shape[0]
-    n_blocks = (T - block_len) // block_stride + 1
-    out = x.new_empty(B, n_blocks, G, D)
-    hid = x.new_empty(B, n_blocks, G, H, dtype=torch.float32)
-    block_m, block_d, block_h = _launch_shape(x, H)
-    grid = (triton.cdiv(n_blocks, block_m), B * G)
-    _phi_fwd_kernel[grid](x, pos, w1.to(x.dtype), w2, out, hid, x.stride(0), x.stride(1), x.stride(2), n_blocks, G, block_stride,
-                          L=block_len, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m,
-                          num_warps=TUNING.phi_warps)
+def phi_mlp_forward(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor, w1_1: Tensor, w2_0: Tensor,
+                    w2_1: Tensor, block_len: int, block_stride: int, sets: int) -> tuple[Tensor, Tensor]:
+    """phi of `sets` (1 or 2) inputs x [B,T,G,D] of one shape, each with its own (pos, w1, w2) (set 1's arguments
+    are ignored when sets = 1): (out [S,B,Nc,G,D] in x's type, h [S,B,Nc,G,H] float32 for the backward).
+
+    The weights may be wider than x (float32 parameters under autocast): the kernels round pos and w2 as they
+    load them (once a program), w1 is rounded here (its inner loops would pay for wide loads: the forward and
+    token-gradient kernels ran 1.5-1.9x slower, H100, M7C 2k x 32). Their gradients come back in their own
+    types, with no casts either way."""
+    B, T, G, D = x0.shape
+    H = w1_0.shape[0]
+    n_blocks = _n_blocks(T, block_len, block_stride)
+    out = x0.new_empty(sets, B, n_blocks, G, D)
+    hid = x0.new_empty(sets, B, n_blocks, G, H, dtype=torch.float32)
+    block_m, block_d, block_h = _launch_shape(x0, H)
+    grid = (triton.cdiv(n_blocks, block_m), B * G, sets)
+    _phi_fwd_kernel[grid](x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid,
+                          *x0.stride()[:3], *x1.stride()[:3], B, n_blocks, G, block_stride, L=block_len, D=D, H=H,
+                          BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, num_warps=TUNING.phi_warps)
     return out, hid
 
 
 @phi_mlp_forward.register_fake
-def _(x, pos, w1, w2, block_len, block_stride):
-    B, T, G, D = x.shape
-    n_blocks = (T - block_len) // block_stride + 1
-    return x.new_empty(B, n_blocks, G, D), x.new_empty(B, n_blocks, G, w1.shape[0], dtype=torch.float32)
+def _(x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, block_len, block_stride, sets):
+    B, T, G, D = x0.shape
+    n_blocks = _n_blocks(T, block_len, block_stride)
+    return (x0.new_empty(sets, B, n_blocks, G, D),
+            x0.new_empty(sets, B, n_blocks, G, w1_0.shape[0], dtype=torch.float32))
 
 
-def _splits(n_rows: int, block_len: int, x: Tensor) -> int:
+def _splits(n_rows: int, block_len: int, sets: int, x: Tensor) -> int:
     """Row splits of fc1's weight gradient: enough programs for every SM, each at least phi_w1_rows rows."""
     if not x.is_cuda:
         return min(4, triton.cdiv(n_rows, 16))  # several splits in CPU tests
-    return max(1, min(triton.cdiv(2 * num_sms(x.device), block_len), triton.cdiv(n_rows, TUNING.phi_w1_rows)))
+    programs = 2 * num_sms(x.device)
+    return max(1, min(triton.cdiv(programs, block_len * sets), triton.cdiv(n_rows, TUNING.phi_w1_rows)))
 
 
 @torch.library.custom_op("nsa::phi_mlp_backward", mutates_args=())
-def phi_mlp_backward(dy: Tensor, x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, hid: Tensor, block_len: int,
-                     block_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients for (x, pos, w1, w2), each in its input's type."""
+def phi_mlp_backward(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor, w1_1: Tensor,
+                     w2_0: Tensor, w2_1: Tensor, hid: Tensor, block_len: int,
+                     block_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dx0, dx1 (empty for one set), dpos [S,l,D], dw1 [S,H,l*D], dw2 [S,D,H]), each in its input's
+    type; the weights' stacked by set."""
     dy = dy.contiguous()
-    B, T, G, D = x.shape
-    n_blocks, H = hid.shape[1], hid.shape[3]
+    sets, B, n_blocks, G, H = hid.shape
+    T, D = x0.shape[1], x0.shape[3]
     n_rows = B * n_blocks * G
-    block_m, block_d, block_h = _launch_shape(x, H)
+    block_m, block_d, block_h = _launch_shape(x0, H)
     row_programs = triton.cdiv(n_rows, block_m)
-    splits = _splits(n_rows, block_len, x)
+    splits = _splits(n_rows, block_len, sets, x0)
     # The weight gradients' partial sums: float32 atomics add them in no fixed order; deterministic mode writes
     # one slice per program and sums them in order.
     atomic = not deterministic()
     w_slots, w2_slots = (1, 1) if atomic else (splits, row_programs)
-    alloc = x.new_zeros if atomic else x.new_empty
-    dw1, dw2 = (alloc(n, *w.shape, dtype=torch.float32) for n, w in ((w_slots, w1), (w2_slots, w2)))
-    dpos = x.new_empty(pos.shape, dtype=torch.float32)
-    dh = torch.empty_like(hid, dtype=x.dtype)
-    dh_sums = x.new_empty(row_programs, H, dtype=torch.float32)
-    _phi_bwd_rows_kernel[(row_programs,)](dy, hid, w2, dh, dh_sums, dw2, n_rows, D=D, H=H, BLOCK_D=block_d,
-                                          BLOCK_H=block_h, BLOCK_M=block_m, ATOMIC=atomic,
-                                          num_warps=TUNING.phi_warps)
-    dx = torch.empty_like(x)
-    n_chunks = triton.cdiv(T, block_stride)
-    grid = (triton.cdiv(n_chunks, block_m), B * G)
-    _phi_bwd_tokens_kernel[grid](dh, dy, w1.to(x.dtype), dx, dx.stride(0), dx.stride(1), dx.stride(2), T, n_blocks, G,
-                                 block_stride, L=block_len, R=block_len // block_stride, D=D, H=H, BLOCK_D=block_d,
-                                 BLOCK_H=block_h, BLOCK_C=block_m, num_warps=TUNING.phi_warps)
-    _phi_bwd_w1_kernel[(block_len, splits)](dh, x, pos, w1, dh_sums, dw1, dpos, x.stride(0), x.stride(1),
-                                            x.stride(2), n_rows, triton.cdiv(n_rows, splits), row_programs, n_blocks,
-                                            G, block_stride, L=block_len, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
-                                            BLOCK_K=block_m, ATOMIC=atomic, num_warps=TUNING.phi_warps)
-    dw1, dw2 = (g[0] if g.shape[0] == 1 else g.sum(0) for g in (dw1, dw2))
-    return dx, *(g.to(w.dtype) for g, w in ((dpos, pos), (dw1, w1), (dw2, w2)))
+    alloc = x0.new_zeros if atomic else x0.new_empty
+    dw1, dw2 = (alloc(sets, n, *w.shape, dtype=torch.float32) for n, w in ((w_slots, w1_0), (w2_slots, w2_0)))
+    dpos = x0.new_empty(sets, *pos0.shape, dtype=torch.float32)
+    dh = torch.empty_like(hid, dtype=x0.dtype)
+    dh_sums = x0.new_empty(sets, row_programs, H, dtype=torch.float32)
+    _phi_bwd_rows_kernel[(row_programs, sets)](dy, hid, w2_0, w2_1, dh, dh_sums, dw2, n_rows, w2_slots, D=D, H=H,
+                                               BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, ATOMIC=atomic,
+                                               num_warps=TUNING.phi_warps)
+    dx0 = torch.empty_like(x0)
+    dx1 = torch.empty_like(x1) if sets == 2 else x0.new_empty(0)
+    grid = (triton.cdiv(triton.cdiv(T, block_stride), block_m), B * G, sets)
+    _phi_bwd_tokens_kernel[grid](dh, dy, w1_0.to(x0.dtype), w1_1.to(x0.dtype), dx0, dx1 if sets == 2 else dx0,
+                                 *dx0.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len,
+                                 R=block_len // block_stride, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
+                                 BLOCK_C=block_m, num_warps=TUNING.phi_warps)
+    _phi_bwd_w1_kernel[(block_len, splits, sets)](dh, x0, x1, pos0, pos1, w1_0, w1_1, dh_sums, dw1, dpos,
+                                                  *x0.stride()[:3], *x1.stride()[:3], n_rows,
+                                                  triton.cdiv(n_rows, splits), row_programs, n_blocks, G,
+                                                  block_stride, L=block_len, D=D, H=H, BLOCK_D=block_d,
+                                                  BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic,
+                                                  num_warps=TUNING.phi_warps)
+    dw1, dw2 = (g[:, 0] if g.shape[1] == 1 else g.sum(1) for g in (dw1, dw2))
+    return dx0, dx1, *(g.to(w.dtype) for g, w in ((dpos, pos0), (dw1, w1_0), (dw2, w2_0)))
 
 
 @phi_mlp_backward.register_fake
-def _(dy, x, pos, w1, w2, hid, block_len, block_stride):
-    return torch.empty_like(x), torch.empty_like(pos), torch.empty_like(w1), torch.empty_like(w2)
+def _(dy, x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, hid, block_len, block_stride):
+    sets = hid.shape[0]
+    return (torch.empty_like(x0), torch.empty_like(x1) if sets == 2 else x0.new_empty(0),
+            *(w.new_empty(sets, *w.shape) for w in (pos0, w1_0, w2_0)))
 
 
 def _setup_context(ctx, inputs, output):
-    x, pos, w1, w2, block_len, block_stride = inputs
-    ctx.save_for_backward(x, pos, w1, w2, output[1])
+    *tensors, block_len, block_stride, _ = inputs
+    ctx.save_for_backward(*tensors, output[1])
     ctx.geometry = (block_len, block_stride)
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _unused):
-    return (*phi_mlp_backward(dy, *ctx.saved_tensors, *ctx.geometry), None, None)
+    dx0, dx1, dpos, dw1, dw2 = phi_mlp_backward(dy, *ctx.saved_tensors, *ctx.geometry)
+    if dpos.shape[0] == 1:  # one set: its arguments stood in for set 1's
+        return dx0, None, dpos[0], None, dw1[0], None, dw2[0], None, None, None, None
+    return dx0, dx1, *dpos.unbind(), *dw1.unbind(), *dw2.unbind(), None, None, None
 
 
 phi_mlp_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def phi_mlp_triton(x: Tensor, pos: Tensor, w1: Tensor, w2: Tensor, block_len: int, block_stride: int) -> Tensor:
-    """mean + W2 silu(W1 (block + pos)) of each block of x [B,T,G,D] (T >= block_len), in x's type."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    pos, w1, w2 = (p.contiguous() for p in (pos, w1, w2))
-    return phi_mlp_forward(x, pos, w1, w2, block_len, block_stride)[0]
+def phi_mlp_triton(xs: tuple[Tensor, ...], params: tuple[tuple[Tensor, Tensor, Tensor], ...], block_len: int,
+                   block_stride: int) -> tuple[Tensor, ...]:
+    """mean + W2 silu(W1 (block + pos)) of each block, for one or two inputs x [B,T,G,D] of one shape (T >=
+    block_len), each with its (pos, w1, w2); in x's type, in one launch per kernel."""
+    xs = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
+    sets = len(xs)
+    if sets not in (1, 2) or len(params) != sets or any(x.shape != xs[0].shape or x.dtype != xs[0].dtype
+                                                         for x in xs):
+        raise ValueError("phi_mlp_triton takes one or two inputs of one shape and type, each with its weights")
+    (pos0, w1_0, w2_0), (pos1, w1_1, w2_1) = params[0], params[-1]
+    x0, x1 = xs[0], xs[-1]
+    out = phi_mlp_forward(x0, x1, *(p.contiguous() for p in (pos0, pos1, w1_0, w1_1, w2_0, w2_1)), block_len,
+                          block_stride, sets)[0]
+    return tuple(out.unbind(0))
