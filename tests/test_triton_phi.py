@@ -13,7 +13,7 @@ from nsa.ops.triton import compression
 from nsa.ops.triton.compression import phi_mlp_supports
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = dict(rtol=1e-2, atol=1e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-5)
+TOL = dict(rtol=2e-2, atol=2e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-5)
 
 # (B, T, G, D, hidden, l, d): overlapping blocks (l = 2d) and tiling ones (l = d); odd T, T a multiple of d, T equal
 # to one block; head dims and hidden widths that are not powers of two; 1 to 3 groups; more blocks than a program's.
