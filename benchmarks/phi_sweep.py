@@ -1,4 +1,4 @@
-"""phi's MLP on one key set at a training shape: the compiled PyTorch module against the Triton kernels
+"""phi's MLP on one key set at a training shape (the model runs keys and values as two sets of one launch): the compiled PyTorch module against the Triton kernels
 (nsa/ops/triton/compression.py) under a few launch settings. Kernel time per call (the profiler's sum over
 its kernels: launch-bound calls at this size would otherwise time the host), forward and forward+backward, as
 in training: fp32 weights under bf16 autocast.
@@ -12,8 +12,8 @@ import argparse
 import itertools
 
 import torch
-
 from torch.profiler import ProfilerActivity, profile
+
 from nsa.model.compression import BlockCompressor
 from nsa.ops.triton.tuning import TUNING
 

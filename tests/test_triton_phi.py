@@ -85,12 +85,19 @@ def test_phi_kernels_in_half_precision(weights):
         torch.testing.assert_close(g.float(), r, rtol=2e-2, atol=2e-2)
 
 
-def test_other_geometries_and_short_sequences_take_the_pytorch_path():
+def test_other_geometries_and_short_sequences_take_the_pytorch_path(monkeypatch):
     assert not phi_mlp_supports(12, 8) and not phi_mlp_supports(12, 4)  # 12 / 4: a token in three blocks
-    ref, fast = pair(8, 16, 12, 8)
+    spy = LaunchSpy(compression._phi_fwd_kernel)
+    monkeypatch.setattr(compression, "_phi_fwd_kernel", spy)
+    _, fast = pair(8, 16, 12, 8)
     x = keys(1, 30, 2, 8)
-    torch.testing.assert_close(fast(x), ref(x))
+    blocks = x.unfold(1, 12, 8).transpose(-1, -2)  # the module's formula, written out
+    mlp = fast.fc2(torch.nn.functional.silu(fast.fc1((blocks + fast.pos).flatten(-2))))
+    torch.testing.assert_close(fast(x), blocks.mean(-2) + mlp)
     assert fast(x[:, :11]).shape == (1, 0, 2, 8)
+    _, tiling = pair(8, 16, 4, 4)
+    assert tiling(x[:, :3]).shape == (1, 0, 2, 8)
+    assert spy.launches == []  # no kernel for either
 
 
 

@@ -62,10 +62,14 @@ def softmax_finish(m_i, l_i, acc):
     return acc / l_safe[:, None], lse
 
 
+def dot_width(n: int) -> int:
+    """The power-of-two tile width that holds n columns (at least 16, tl.dot's least)."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def head_dims(dk: int, dv: int) -> dict:
     """Constexpr head dims and their power-of-two tile widths (at least 16 for tl.dot)."""
-    return dict(DK=dk, DV=dv, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-                BLOCK_DV=max(16, triton.next_power_of_2(dv)))
+    return dict(DK=dk, DV=dv, BLOCK_DK=dot_width(dk), BLOCK_DV=dot_width(dv))
 
 
 def num_sms(device: torch.device) -> int:

@@ -29,17 +29,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import deterministic, num_sms
+from .common import deterministic, dot_width, num_sms
 from .tuning import TUNING
 
 
 def phi_mlp_supports(block_len: int, block_stride: int) -> bool:
     """Whether these kernels serve this block geometry (each token in at most two blocks, blocks tiling it)."""
     return block_len % block_stride == 0 and block_len // block_stride in (1, 2)
-
-
-def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
 
 
 @triton.jit
@@ -219,7 +215,7 @@ def _phi_bwd_w1_kernel(DH, X0, X1, POS0, POS1, W1_0, W1_1, DH_SUM, DW1, DPOS, sx
 
 def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
     block_m = TUNING.phi_block_m if x.is_cuda else 16  # several programs in CPU tests too
-    return block_m, _pow2(x.shape[-1]), _pow2(hidden)
+    return block_m, dot_width(x.shape[-1]), dot_width(hidden)
 
 
 def _n_blocks(T: int, block_len: int, block_stride: int) -> int:
@@ -233,7 +229,7 @@ def phi_mlp_forward(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Te
     are ignored when sets = 1): (out [S,B,Nc,G,D] in x's type, h [S,B,Nc,G,H] float32 for the backward).
 
     The weights may be wider than x (float32 parameters under autocast): the kernels round pos and w2 as they
-    load them (once a program), w1 is rounded here (its inner loops would pay for wide loads: the forward and
+    load them (once a program), w1 is rounded here and again in the backward (its inner loops would pay for wide loads: the forward and
     token-gradient kernels ran 1.5-1.9x slower, H100, M7C 2k x 32). Their gradients come back in their own
     types, with no casts either way."""
     B, T, G, D = x0.shape
