@@ -229,9 +229,9 @@ def phi_mlp_forward(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Te
     are ignored when sets = 1): (out [S,B,Nc,G,D] in x's type, h [S,B,Nc,G,H] float32 for the backward).
 
     The weights may be wider than x (float32 parameters under autocast): the kernels round pos and w2 as they
-    load them (once a program), w1 is rounded here and again in the backward (its inner loops would pay for wide loads: the forward and
-    token-gradient kernels ran 1.5-1.9x slower, H100, M7C 2k x 32). Their gradients come back in their own
-    types, with no casts either way."""
+    load them (once a program), w1 is rounded here and again in the backward (its inner loops would pay for
+    wide loads: the forward and token-gradient kernels ran 1.5-1.9x slower, H100, M7C 2k x 32). Their gradients
+    come back in their own types, with no casts either way."""
     B, T, G, D = x0.shape
     H = w1_0.shape[0]
     n_blocks = _n_blocks(T, block_len, block_stride)
