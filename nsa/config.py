@@ -45,6 +45,8 @@ class RunConfig:
         if tel.stall_timeout_s < 0 or tel.health_every < 0 or tel.health_tokens < 1:
             raise ConfigError("telemetry.stall_timeout_s and telemetry.health_every must be >= 0, "
                               "telemetry.health_tokens >= 1")
+        # Before the launch checks, so a config mistake is named first on any machine.
+        self.parallel.check_cudagraphs(self.parallel.mode)
         if self.parallel.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s must be > 0, got {self.parallel.timeout_s}")
         if self.data.source in ("text", "jsonl", "parquet", "shards") and not self.data.path:

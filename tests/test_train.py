@@ -200,6 +200,20 @@ def test_cuda_graphs_refuse_what_they_cannot_replay(compile_, mode, device, mess
     check_cudagraphs(ParallelConfig(compile=compile_, cudagraphs=False), mode, torch.device(device))
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.cudagraphs=true"], "add parallel.compile=true"),
+    (["parallel.cudagraphs=true", "parallel.compile=true", "parallel.mode=fsdp"], "drop it under parallel.mode=fsdp"),
+])
+def test_cuda_graph_settings_fail_at_load_before_any_launch_check(overrides, message):
+    # On a machine with several GPUs the launch check (one process per GPU) would otherwise speak first.
+    from nsa.config import load_config
+    from nsa.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    load_config(None, ["parallel.cudagraphs=true", "parallel.compile=true", "parallel.mode=ddp"])
+
+
 def test_uncompiled_runs_compiled_modules_eagerly_and_then_restores_them():
     from nsa.train.parallel import uncompiled
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import ConfigError
+
 
 @dataclass
 class TrainConfig:
@@ -87,6 +89,18 @@ class ParallelConfig:
     fsdp_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP2: type the gradients are reduce-scattered in. 'bfloat16' sends half the bytes, which pays where the
     per-block reductions show in the step (small batches per GPU); the sums are then rounded to bf16."""
+
+    def check_cudagraphs(self, mode: str) -> None:
+        """The CUDA-graph settings that the config alone decides, for `mode` (a launch mode or the resolved one).
+        Under FSDP2, whose blocks gather their parameters outside the compiled code, a step with graphs took 5.6x
+        longer than without (two H200s, RESULTS.md)."""
+        if not self.cudagraphs:
+            return
+        if not self.compile:
+            raise ConfigError("parallel.cudagraphs=true replays compiled blocks: add parallel.compile=true")
+        if mode == "fsdp":
+            raise ConfigError("parallel.cudagraphs=true is for single-process and DDP runs: drop it under "
+                              "parallel.mode=fsdp")
 
 
 @dataclass

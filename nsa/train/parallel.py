@@ -31,15 +31,9 @@ def resolve_mode(cfg: ParallelConfig, info: DistInfo) -> str:
 
 
 def check_cudagraphs(cfg: ParallelConfig, mode: str, device: torch.device) -> None:
-    """CUDA graphs replay compiled code on a GPU. Under FSDP2, whose blocks gather their parameters outside the
-    compiled code, a step with graphs took 5.6x longer than without (two H200s, RESULTS.md)."""
-    if not cfg.cudagraphs:
-        return
-    if not cfg.compile:
-        raise UserError("parallel.cudagraphs=true replays compiled blocks: add parallel.compile=true")
-    if mode == "fsdp":
-        raise UserError("parallel.cudagraphs=true is for single-process and DDP runs: drop it under parallel.mode=fsdp")
-    if device.type != "cuda":
+    """CUDA graphs replay compiled code on a GPU, outside FSDP2 (ParallelConfig.check_cudagraphs)."""
+    cfg.check_cudagraphs(mode)
+    if cfg.cudagraphs and device.type != "cuda":
         raise UserError(f"parallel.cudagraphs=true needs a CUDA device, not {device}: drop it or train on a GPU")
 
 
