@@ -303,6 +303,13 @@ def test_inverse_index_lists_every_query_of_every_block_in_chunks(B, T, G, n, Ns
     idx = torch.randint(-1, Ns, (B, T, G, n))
     key, start, count, entries = (x.cpu() for x in inverse_index(idx.to(DEVICE), Ns, chunk=3))
     assert count.max() <= 3
+    # Every item is full but a key's last; unused items (count 0) follow the used ones with key B * G * Ns, so
+    # item_key ascends over the whole array (the deterministic backward finds a key's items by binary search).
+    used = count > 0
+    assert torch.all(key[1:] >= key[:-1]) and torch.all(key[~used] == B * G * Ns) and not used[used.sum():].any()
+    last = torch.ones_like(used)
+    last[:-1] = key[1:] != key[:-1]
+    assert torch.all(count[used & ~last] == 3)
     got = {}
     for k, s, c in zip(key.tolist(), start.tolist(), count.tolist()):
         for f in entries[s : s + c].tolist():
@@ -317,6 +324,7 @@ def test_inverse_index_lists_every_query_of_every_block_in_chunks(B, T, G, n, Ns
                     if j >= 0:
                         want.setdefault((b * G + g) * Ns + j, []).append(t)
     assert got == want
+    assert used.sum() == sum(-(-len(ts) // 3) for ts in want.values())
 
 
 @pytest.mark.parametrize("branch", ["cmp", "sel", "win"])

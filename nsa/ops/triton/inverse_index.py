@@ -1,9 +1,9 @@
 """The inverse of the selection: for every (batch, group, block), the queries that chose it, in work items.
 
-Three small kernels around one device sort, with no host sync (the number of work items is a
-bound known on the host): the entries' keys, each key's range in the sorted order (binary
-search) and its number of items, then the items themselves. The same in plain torch took ~35
-small operations, whose launch time bound a call at batch 1 below 16k tokens.
+Small kernels around one device sort, with no host sync (the number of work items is a bound
+known on the host): the entries' keys; each key's range in the sorted order, from the positions
+where the key changes, and its number of items; then the items, one a lane. The same in plain
+torch took ~35 small operations, whose launch time bound a call at batch 1 below 16k tokens.
 """
 
 from __future__ import annotations
@@ -43,33 +43,46 @@ def _lower_bound(SORTED, size, key, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _key_ranges_kernel(SORTED, STARTS, COUNTS, ITEMS, size, n_keys, chunk, STEPS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """Each key's first position and count in the sorted keys, and its number of work items."""
+def _key_bounds_kernel(SORTED, STARTS, ENDS, total, n_keys, BLOCK: tl.constexpr):
+    """Each present key's first position and one past its last in the sorted keys, from the positions where the
+    key changes (absent keys keep the zeros they were given: count 0)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < total
+    key = tl.load(SORTED + p, mask=ok, other=0).to(tl.int32)
+    prev = tl.load(SORTED + p - 1, mask=ok & (p > 0), other=-1).to(tl.int32)
+    nxt = tl.load(SORTED + p + 1, mask=p + 1 < total, other=-1).to(tl.int32)
+    real = ok & (key < n_keys)  # the sort's last keys may be n_keys, the unused slots
+    tl.store(STARTS + key, p, mask=real & ((p == 0) | (key != prev)))
+    tl.store(ENDS + key, p + 1, mask=real & ((p + 1 == total) | (key != nxt)))
+
+
+@triton.jit
+def _key_items_kernel(STARTS, ENDS, ITEMS, n_keys, chunk, BLOCK: tl.constexpr):
+    """Each key's number of work items (ENDS becomes its count)."""
     k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = k < n_keys
-    start = _lower_bound(SORTED, size, k, STEPS)
-    count = _lower_bound(SORTED, size, k + 1, STEPS) - start
-    tl.store(STARTS + k, start, mask=ok)
-    tl.store(COUNTS + k, count, mask=ok)
+    count = tl.load(ENDS + k, mask=ok, other=0) - tl.load(STARTS + k, mask=ok, other=0)
+    tl.store(ENDS + k, count, mask=ok)
     tl.store(ITEMS + k, (count + chunk - 1) // chunk, mask=ok)
 
 
 @triton.jit
-def _items_kernel(STARTS, COUNTS, ITEMS, ITEM_END, ITEM_KEY, ITEM_START, ITEM_COUNT, n_keys, chunk,
-                  BLOCK: tl.constexpr):
-    """Key k's items are ITEM_END[k] - ITEMS[k] .. ITEM_END[k] - 1, chunk entries each (the last one the rest)."""
-    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = k < n_keys
-    items = tl.load(ITEMS + k, mask=ok, other=0)
-    first = tl.load(ITEM_END + k, mask=ok, other=0) - items
-    start = tl.load(STARTS + k, mask=ok, other=0)
-    count = tl.load(COUNTS + k, mask=ok, other=0)
-    for w in range(0, tl.max(items, 0)):
-        mine = w < items
-        tl.store(ITEM_KEY + first + w, k, mask=mine)
-        tl.store(ITEM_START + first + w, start + w * chunk, mask=mine)
-        tl.store(ITEM_COUNT + first + w, tl.minimum(count - w * chunk, chunk), mask=mine)
+def _items_kernel(STARTS, COUNTS, ITEMS, ITEM_END, ITEM_KEY, ITEM_START, ITEM_COUNT, n_keys, max_items, chunk,
+                  STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Item i belongs to the first key k with ITEM_END[k] > i, as its (i - first item of k)-th chunk of entries;
+    items past the last key's get key n_keys and count 0. One item a lane: a block that every query chooses
+    (block 0) has T / chunk items, which a loop over a key's items would walk alone."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < max_items
+    lo = _lower_bound(ITEM_END, n_keys, i + 1, STEPS)  # the first key k with ITEM_END[k] > i
+    used = ok & (lo < n_keys)
+    k = tl.where(used, lo, 0)
+    w = i - (tl.load(ITEM_END + k, mask=used, other=0) - tl.load(ITEMS + k, mask=used, other=0))
+    start = tl.load(STARTS + k, mask=used, other=0) + w * chunk
+    count = tl.minimum(tl.load(COUNTS + k, mask=used, other=0) - w * chunk, chunk)
+    tl.store(ITEM_KEY + i, tl.where(used, k, n_keys), mask=ok)
+    tl.store(ITEM_START + i, tl.where(used, start, 0), mask=ok)
+    tl.store(ITEM_COUNT + i, tl.where(used, count, 0), mask=ok)
 
 
 def _key_dtype(n_keys: int) -> torch.dtype:
@@ -100,17 +113,16 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
     _entry_keys_kernel[(triton.cdiv(total, _BLOCK),)](
         indices, keys, *indices.stride()[:3], T, G, num_sel_blocks, n_keys, total, n=n, BLOCK=_BLOCK)
     sorted_keys, entries = torch.sort(keys, stable=True)  # stable: t ascending within a key
-    starts, counts, items = (torch.empty(n_keys, device=dev, dtype=torch.int32) for _ in range(3))
-    grid = (triton.cdiv(n_keys, _BLOCK),)
-    _key_ranges_kernel[grid](sorted_keys, starts, counts, items, total, n_keys, chunk,
-                             STEPS=max(1, total.bit_length()), BLOCK=_BLOCK)
+    starts, counts = torch.zeros(2, n_keys, device=dev, dtype=torch.int32)
+    items = torch.empty(n_keys, device=dev, dtype=torch.int32)
+    _key_bounds_kernel[(triton.cdiv(total, _BLOCK),)](sorted_keys, starts, counts, total, n_keys, BLOCK=_BLOCK)
+    _key_items_kernel[(triton.cdiv(n_keys, _BLOCK),)](starts, counts, items, n_keys, chunk, BLOCK=_BLOCK)
     item_end = torch.cumsum(items, 0, dtype=torch.int32)
     max_items = total // chunk + n_keys
-    # Unused items keep key n_keys, past every real one: item_key ascends over the whole array, so a key's items
+    # Unused items get key n_keys, past every real one: item_key ascends over the whole array, so a key's items
     # can be found by binary search (the deterministic backward's sums, selected_attention.py).
-    item_key = torch.full((max_items,), n_keys, device=dev, dtype=torch.int32)
-    item_start = torch.empty_like(item_key)
-    item_count = torch.zeros_like(item_key)
-    _items_kernel[grid](starts, counts, items, item_end, item_key, item_start, item_count, n_keys, chunk,
-                        BLOCK=_BLOCK)
+    item_key, item_start, item_count = (torch.empty(max_items, device=dev, dtype=torch.int32) for _ in range(3))
+    _items_kernel[(triton.cdiv(max_items, _BLOCK),)](starts, counts, items, item_end, item_key, item_start,
+                                                      item_count, n_keys, max_items, chunk,
+                                                      STEPS=n_keys.bit_length(), BLOCK=_BLOCK)
     return item_key, item_start, item_count, entries.to(torch.int32)
