@@ -258,6 +258,7 @@ SWEEP = {
     "tiled_max_blocks_large_groups+tiled_max_blocks_forward": [(32, 32)],
     "tiled_max_blocks_large_groups+tiled_max_blocks_forward+token_min_heads_forward": [(32, 32, 17)],
     "select_block_t": [8, 32],
+    "select_warps": [2, 8],
     "token_min_heads_forward": [17],
     "branch_streams": [False],
     "window_grads_beside": [False],
