@@ -70,9 +70,10 @@ KERNELS = {
                                ("scale_log2", "scale"))
        for name, sel in (("tiled", 1), ("parts", 2))},
     "index_keys": (inverse_index._entry_keys_kernel, dict(n=16, BLOCK=1024), dict(IDX=I64, KEYS=I32), ()),
-    "index_ranges": (inverse_index._key_ranges_kernel, dict(STEPS=22, BLOCK=1024),
-                     dict(SORTED=I32, STARTS=I32, COUNTS=I32, ITEMS=I32), ()),
-    "index_items": (inverse_index._items_kernel, dict(BLOCK=1024),
+    "index_bounds": (inverse_index._key_bounds_kernel, dict(BLOCK=1024), dict(SORTED=I32, STARTS=I32, ENDS=I32),
+                     ()),
+    "index_counts": (inverse_index._key_items_kernel, dict(BLOCK=1024), dict(STARTS=I32, ENDS=I32, ITEMS=I32), ()),
+    "index_items": (inverse_index._items_kernel, dict(STEPS=12, BLOCK=1024),
                     dict(STARTS=I32, COUNTS=I32, ITEMS=I32, ITEM_END=I32, ITEM_KEY=I32, ITEM_START=I32,
                          ITEM_COUNT=I32), ()),
     "decode_chunk": (decode._chunk_kernel, dict(**DIMS, HP=16, K=16, C=64, R=4, CPP=8, STAGES=3),
