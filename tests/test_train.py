@@ -134,7 +134,9 @@ def test_deterministic_runs_repeat_and_resume_bit_for_bit(tmp_path, device):
     ],
 )
 def test_cli_user_errors_are_one_line_with_exit_code_2(args, message, capsys, tmp_path):
-    assert main(args + [f"train.out_dir={tmp_path}"]) == 2
+    # One process on purpose: on a machine with several GPUs the launch check would otherwise speak first for the
+    # mistakes found after it (a missing data.path, an unknown device), and this test is about the messages.
+    assert main(args + [f"train.out_dir={tmp_path}", "parallel.allow_single_process=true"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
 
