@@ -113,6 +113,7 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
     _entry_keys_kernel[(triton.cdiv(total, _BLOCK),)](
         indices, keys, *indices.stride()[:3], T, G, num_sel_blocks, n_keys, total, n=n, BLOCK=_BLOCK)
     sorted_keys, entries = torch.sort(keys, stable=True)  # stable: t ascending within a key
+    # `counts` holds each key's end position until _key_items_kernel subtracts the start (absent keys: 0 - 0).
     starts, counts = torch.zeros(2, n_keys, device=dev, dtype=torch.int32)
     items = torch.empty(n_keys, device=dev, dtype=torch.int32)
     _key_bounds_kernel[(triton.cdiv(total, _BLOCK),)](sorted_keys, starts, counts, total, n_keys, BLOCK=_BLOCK)
