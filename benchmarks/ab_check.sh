@@ -28,7 +28,10 @@ run_side() {  # side name
   mkdir -p "$dir"
   for a in "${cmd[@]}"; do args+=("${a//\{\}/$dir}"); done
   echo "== $1: ${args[*]}"
-  "${args[@]}" 2>&1 | tee "$dir/log.txt"
+  # Each side compiles into a cache of its own: torch.compile's caches are keyed by the traced graph, not by our
+  # source, so the second side would load graphs traced with the first side's fake kernels (shapes that the
+  # change may have altered: "expected size 10240==16384" when the inverse index grew).
+  TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) "${args[@]}" 2>&1 | tee "$dir/log.txt"
 }
 cmd=("$@")
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null

@@ -38,10 +38,10 @@ def test_ncu_rows_skip_the_units_line_and_stalls_read_as_percent(tmp_path):
     assert pipes.value(rows[0], "not_a_metric") == ""
 
 
-def _assert_built(check: str, cases: int) -> None:
+def _assert_built(check: str, cases: int) -> list[str]:
     """Run `check` (a script printing one report line per compiled case: `... True registers ...`) in a fresh
     interpreter without TRITON_INTERPRET (the compile needs the real backend) and assert each case built for sm_90
-    with its expected instructions and no local-memory traffic."""
+    with its expected instructions and no local-memory traffic; returns the report lines."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
                          cwd=BENCH.parent)
@@ -49,6 +49,7 @@ def _assert_built(check: str, cases: int) -> None:
     lines = out.stdout.strip().split("\n")
     assert len(lines) == cases and all(" True registers " in line for line in lines), out.stdout
     assert all(" spill stack 0 B " in line for line in lines), out.stdout
+    return lines
 
 
 def test_hopper_forward_builds_for_every_branch_and_head_dim():
@@ -110,25 +111,30 @@ def test_hopper_query_grad_builds_for_each_selected_share():
     _assert_built(check, 4)
 
 
-def test_hopper_selected_backward_builds_with_and_without_dq_shares():
+def test_hopper_selected_backward_builds_with_dq_shares_dq_adds_and_without_dq():
     check = (
         "import sys; sys.path.insert(0, 'benchmarks'); import torch\n"
         "from offline_compile import compile_gluon, report\n"
         "from nsa.ops.triton import hopper_backward as hb, hopper_forward as hf, hopper_selected_backward as hs\n"
-        "for D, h, write_dq, partials in ((64, 6, True, False), (64, 1, True, True), (128, 16, False, True)):\n"
+        "for D, h, write_dq, partials, add in ((64, 6, True, False, False), (64, 6, True, False, True),\n"
+        "                                      (64, 1, True, True, False), (128, 16, False, True, False)):\n"
         "    cfg = hb.hopper_backward_config(D); warps = cfg.pop('num_warps')\n"
         "    kv = torch.empty(1, 256, 2, D, dtype=torch.bfloat16)\n"
         "    descs = {'k_desc': hf._descriptor(kv, cfg['BLOCK_N']), 'v_desc': hf._descriptor(kv, cfg['BLOCK_N'])}\n"
         "    types = {n: '*fp32' for n in ('LSE', 'DELTA', 'DKo', 'DVo')}\n"
-        "    types |= {n: '*bf16' for n in ('Q', 'DO', 'DQPART')}\n"
+        "    types |= {n: '*bf16' for n in ('Q', 'DO')} | {'DQPART': '*fp32' if add else '*bf16'}\n"
         "    types |= {n: '*i32' for n in ('ITEM_KEY', 'ITEM_START', 'ITEM_COUNT', 'ENTRIES')}\n"
         "    types |= {'scale_log2': 'fp32', 'scale': 'fp32'}\n"
-        "    consts = dict(n=16, h=h, D=D, WRITE_DQ=write_dq, PARTIALS=partials, **cfg)\n"
+        "    consts = dict(n=16, h=h, D=D, WRITE_DQ=write_dq, PARTIALS=partials, DQ_ADD=add, **cfg)\n"
         "    c = compile_gluon(hs._sel_bwd_hopper, descs, consts, types, warps, divisible=True)\n"
         "    ptx = c.asm['ptx']\n"
-        "    print(D, h, 'wgmma.mma_async' in ptx and 'cp.async.cg' in ptx, report(c))\n"
+        "    print(D, h, 'wgmma.mma_async' in ptx and 'cp.async.cg' in ptx, report(c), 'atomics', add,\n"
+        "          ptx.count('red.global') + ptx.count('atom.global'))\n"
     )
-    _assert_built(check, 3)
+    lines = _assert_built(check, 4)
+    shares, adds = (int(line.split()[-1]) for line in lines[:2])
+    # A 64-row step's [64, 64] float32 dQ on 128 threads: 32 values each, as 8 four-wide reductions.
+    assert adds == shares + 8, lines[:2]
 
 
 def test_hopper_selected_forward_builds_for_both_head_dims():

@@ -296,22 +296,34 @@ def test_selection_ties_go_to_the_lower_block():
 
 @pytest.mark.parametrize("B,T,G,n,Ns,key_dtype", [(2, 30, 2, 3, 8, torch.uint8), (1, 30, 2, 3, 300, torch.int16),
                                                  (1, 20, 1, 3, 40000, torch.int32)])
-def test_inverse_index_lists_every_query_of_every_block_in_chunks(B, T, G, n, Ns, key_dtype):
+@pytest.mark.parametrize("query_range", [None, 7])
+def test_inverse_index_lists_every_query_of_every_block_in_chunks(B, T, G, n, Ns, key_dtype, query_range):
     # The sort's keys take the narrowest type that holds B * G * Ns + 1 values (one byte, two, four).
     assert _key_dtype(B * G * Ns) == key_dtype
     torch.manual_seed(0)
     idx = torch.randint(-1, Ns, (B, T, G, n))
-    key, start, count, entries = (x.cpu() for x in inverse_index(idx.to(DEVICE), Ns, chunk=3))
+    key, start, count, entries = (x.cpu() for x in inverse_index(idx.to(DEVICE), Ns, chunk=3,
+                                                                 query_range=query_range))
+    qr = query_range or T
     assert count.max() <= 3
-    # Every item is full but a key's last; unused items (count 0) follow the used ones with key B * G * Ns, so
-    # item_key ascends over the whole array (the deterministic backward finds a key's items by binary search).
+    # Unused items (count 0) follow the used ones, with key B * G * Ns.
     used = count > 0
-    assert torch.all(key[1:] >= key[:-1]) and torch.all(key[~used] == B * G * Ns) and not used[used.sum():].any()
-    last = torch.ones_like(used)
-    last[:-1] = key[1:] != key[:-1]
-    assert torch.all(count[used & ~last] == 3)
+    assert torch.all(key[~used] == B * G * Ns) and not used[used.sum():].any()
+    # Items are ordered by (b, g, query range, block), each within one range; unsplit, item_key ascends over the
+    # whole array (the deterministic backward finds a key's items by binary search).
+    t_first = entries[start[used].long()] // n % T
+    group = (key[used] // Ns * T + t_first // qr) * Ns + key[used] % Ns
+    assert torch.all(group[1:] >= group[:-1])
+    if query_range is None:
+        assert torch.all(key[1:] >= key[:-1])
+    # Every item is full but the last of its block and range.
+    last = torch.ones_like(group, dtype=torch.bool)
+    last[:-1] = group[1:] != group[:-1]
+    assert torch.all(count[used][~last] == 3)
     got = {}
     for k, s, c in zip(key.tolist(), start.tolist(), count.tolist()):
+        ts = [f // n % T for f in entries[s : s + c].tolist()]
+        assert len({t // qr for t in ts}) <= 1
         for f in entries[s : s + c].tolist():
             b, g, t, slot = f // (G * T * n), f // (T * n) % G, f // n % T, f % n
             assert idx[b, t, g, slot] == k % Ns and (b * G + g) == k // Ns
@@ -324,7 +336,11 @@ def test_inverse_index_lists_every_query_of_every_block_in_chunks(B, T, G, n, Ns
                     if j >= 0:
                         want.setdefault((b * G + g) * Ns + j, []).append(t)
     assert got == want
-    assert used.sum() == sum(-(-len(ts) // 3) for ts in want.values())
+    per_range = {}
+    for k, ts in want.items():
+        for t in ts:
+            per_range[(k, t // qr)] = per_range.get((k, t // qr), 0) + 1
+    assert used.sum() == sum(-(-c // 3) for c in per_range.values())
 
 
 @pytest.mark.parametrize("branch", ["cmp", "sel", "win"])

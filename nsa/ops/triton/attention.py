@@ -16,7 +16,9 @@ from .gating import gate_grads
 from .hopper_selected_forward import hopper_selected_forward_eligible
 from .query_grad import query_grad
 from .range_attention import MODE_CMP, MODE_WIN, range_attention_dkdv, range_attention_fwd
-from .selected_attention import BLOCKS, build_inverse_index, selected_backward, selected_forward, selected_path
+from .inverse_index import num_items
+from .selected_attention import (BLOCKS, build_inverse_index, inverse_layout, selected_backward, selected_forward,
+                                 selected_path)
 from .selection import select_blocks_fwd
 from .streams import Beside
 from .tuning import TUNING
@@ -26,8 +28,7 @@ _F32 = torch.float32
 
 def _num_items(B: int, T: int, G: int, n: int, sel_block: int, device: torch.device) -> int:
     """Length of the inverse index's work-item arrays (inverse_index's host-side bound)."""
-    chunk = TUNING.inverse_chunk if device.type == "cuda" else 4
-    return (B * T * G * n) // chunk + B * G * (-(-T // sel_block))
+    return num_items(B, T, G, n, -(-T // sel_block), *inverse_layout(T, device))
 
 
 def _inverse_readers(q: Tensor, k: Tensor, v: Tensor, sel_block: int, needs_grad: bool) -> tuple[bool, bool]:

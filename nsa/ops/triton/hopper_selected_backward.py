@@ -3,7 +3,9 @@
 Same contract as the Triton kernel: one program per work item of the inverse index (one key block and at most
 `Tuning.inverse_chunk` of the queries that chose it), accumulating the block's dK/dV over the item's
 (query, head) rows and adding them atomically; with WRITE_DQ it also writes each row's dQ share to the
-per-slot buffer query_grad sums. The schedule is hopper_backward.py's, with gathered rows:
+per-slot buffer query_grad sums, or with DQ_ADD adds it into a float32 dQ [B,T,H,D] (relaxed atomics: the items
+of one query range run together, so the rows they add to stay in the L2 cache). The schedule is
+hopper_backward.py's, with gathered rows:
 
 - the block's keys and values arrive once by TMA;
 - each row step's queries, output gradients, lse, delta and entries are copied into a ring of shared-memory
@@ -114,6 +116,7 @@ def _sel_bwd_hopper(
     T, G, NS, scale_log2, scale,
     n: gl.constexpr, h: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, WRITE_DQ: gl.constexpr, num_warps: gl.constexpr, PARTIALS: gl.constexpr = False,
+    DQ_ADD: gl.constexpr = False, sdqb=0, sdqt=0, sdqh=0,
 ):
     item = gl.program_id(0)
     count = gl.load(ITEM_COUNT + item)
@@ -200,11 +203,23 @@ def _sel_bwd_hopper(
                 dq_zero = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
                 dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
                 dv_acc, dk_acc, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_acc, dk_acc, dq, pt_op, ds_op))
-                rq = r0 + gl.arange(0, BLOCK_M, layout=io_row)
-                fq = ent_smem.index(stage).load(io_row).to(gl.int64)
-                dst = DQPART + ((fq * h + rq % h) * D)[:, None] + gl.arange(0, D, layout=gl.SliceLayout(0, io))[None, :]
-                gl.store(dst, gl.convert_layout((dq * scale).to(DQPART.dtype.element_ty), io),
-                         mask=(rq < rows)[:, None])
+                if DQ_ADD:
+                    # A float32 dQ [B,T,H,D] of the branch, added into with relaxed atomics (programs that run
+                    # together gather queries of one range when the index is split by query ranges).
+                    add_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (D // 4), D // 4], [num_warps, 1], [1, 0])
+                    rq = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_l))
+                    tq = (ent_smem.index(stage).load(gl.SliceLayout(1, add_l)) // n - bg * T).to(gl.int64)
+                    dst = DQPART + (b * sdqb + tq * sdqt + (g * h + rq % h) * sdqh)[:, None] + gl.arange(
+                        0, D, layout=gl.SliceLayout(0, add_l))[None, :]
+                    gl.atomic_add(dst, gl.convert_layout(dq * scale, add_l), mask=(rq < rows)[:, None],
+                                  sem="relaxed")
+                else:
+                    rq = r0 + gl.arange(0, BLOCK_M, layout=io_row)
+                    fq = ent_smem.index(stage).load(io_row).to(gl.int64)
+                    dst = DQPART + ((fq * h + rq % h) * D)[:, None] + gl.arange(0, D, layout=gl.SliceLayout(0, io))[
+                        None, :]
+                    gl.store(dst, gl.convert_layout((dq * scale).to(DQPART.dtype.element_ty), io),
+                             mask=(rq < rows)[:, None])
             else:
                 # The register operands must live until their products are done.
                 dv_acc, dk_acc, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_acc, dk_acc, pt_op, ds_op))
@@ -234,10 +249,10 @@ def hopper_selected_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def selected_backward_hopper(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, inverse, scale: float, n: int,
-                             write_dq: bool, partials: bool = False) -> None:
+                             write_dq: bool, partials: bool = False, dq_add: bool = False) -> None:
     """_sel_bwd_kernel's work on Hopper: adds the blocks' dK/dV into dk_out/dv_out (float32, zeroed), or with
     `partials` writes each item's to its slot of dk_out/dv_out [items, BLOCK_N, D]; with write_dq, writes the rows'
-    dQ shares into dqpart."""
+    dQ shares into dqpart, or with dq_add adds them into dqpart as a float32 [B,T,H,D] dQ (zeroed)."""
     B, T, H, D = q.shape
     G = k.shape[2]
     item_key, item_start, item_count, entries = inverse
@@ -248,5 +263,6 @@ def selected_backward_hopper(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, in
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
         dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
         T, G, -(-T // cfg["BLOCK_N"]), scale * LOG2E, scale, n=n, h=H // G, D=D,
-        WRITE_DQ=write_dq, PARTIALS=partials, **cfg,
+        WRITE_DQ=write_dq, PARTIALS=partials, DQ_ADD=dq_add,
+        **(dict(sdqb=dqpart.stride(0), sdqt=dqpart.stride(1), sdqh=dqpart.stride(2)) if dq_add else {}), **cfg,
     )

@@ -17,15 +17,17 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _entry_keys_kernel(IDX, KEYS, sib, sit, sig, T, G, NS, n_keys, total, n: tl.constexpr, BLOCK: tl.constexpr):
-    """Key (b * G + g) * NS + j of every flat entry f = ((b * G + g) * T + t) * n + slot; n_keys for unused slots."""
+def _entry_keys_kernel(IDX, KEYS, sib, sit, sig, T, G, NS, NQ, query_range, n_keys, total, n: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Sort key ((b * G + g) * NQ + t // query_range) * NS + j of every flat entry f = ((b * G + g) * T + t) * n +
+    slot; n_keys for unused slots."""
     f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # total < 2**31: the entries are int32
     ok = f < total
     bgt = f // n
     t = bgt % T
     bg = bgt // T
     j = tl.load(IDX + (bg // G).to(tl.int64) * sib + t.to(tl.int64) * sit + bg % G * sig + f % n, mask=ok, other=-1)
-    tl.store(KEYS + f, tl.where(j >= 0, bg * NS + j.to(tl.int32), n_keys), mask=ok)
+    tl.store(KEYS + f, tl.where(j >= 0, (bg * NQ + t // query_range) * NS + j.to(tl.int32), n_keys), mask=ok)
 
 
 @triton.jit
@@ -67,11 +69,12 @@ def _key_items_kernel(STARTS, ENDS, ITEMS, n_keys, chunk, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _items_kernel(STARTS, COUNTS, ITEMS, ITEM_END, ITEM_KEY, ITEM_START, ITEM_COUNT, n_keys, max_items, chunk,
-                  STEPS: tl.constexpr, BLOCK: tl.constexpr):
-    """Item i belongs to the first key k with ITEM_END[k] > i, as its (i - first item of k)-th chunk of entries;
-    items past the last key's get key n_keys and count 0. One item a lane: a block that every query chooses
-    (block 0) has T / chunk items, which a loop over a key's items would walk alone."""
+def _items_kernel(STARTS, COUNTS, ITEMS, ITEM_END, ITEM_KEY, ITEM_START, ITEM_COUNT, n_keys, max_items, chunk, NS,
+                  NQ, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Item i belongs to the first sort key k with ITEM_END[k] > i, as its (i - first item of k)-th chunk of
+    entries, and gets k's block key (b * G + g) * NS + j; items past the last key's get the block key past every
+    real one and count 0. One item a lane: a block that every query chooses (block 0) has T / chunk items, which
+    a loop over a key's items would walk alone."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < max_items
     lo = _lower_bound(ITEM_END, n_keys, i + 1, STEPS)  # the first key k with ITEM_END[k] > i
@@ -80,7 +83,7 @@ def _items_kernel(STARTS, COUNTS, ITEMS, ITEM_END, ITEM_KEY, ITEM_START, ITEM_CO
     w = i - (tl.load(ITEM_END + k, mask=used, other=0) - tl.load(ITEMS + k, mask=used, other=0))
     start = tl.load(STARTS + k, mask=used, other=0) + w * chunk
     count = tl.minimum(tl.load(COUNTS + k, mask=used, other=0) - w * chunk, chunk)
-    tl.store(ITEM_KEY + i, tl.where(used, k, n_keys), mask=ok)
+    tl.store(ITEM_KEY + i, tl.where(used, k // (NQ * NS) * NS + k % NS, n_keys // NQ), mask=ok)
     tl.store(ITEM_START + i, tl.where(used, start, 0), mask=ok)
     tl.store(ITEM_COUNT + i, tl.where(used, count, 0), mask=ok)
 
@@ -95,23 +98,34 @@ def _key_dtype(n_keys: int) -> torch.dtype:
     return torch.int32
 
 
-def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
+def num_items(B: int, T: int, G: int, n: int, num_sel_blocks: int, chunk: int, query_range: int) -> int:
+    """Length of inverse_index's work-item arrays: a bound known on the host."""
+    return B * G * T * n // chunk + B * G * -(-T // query_range) * num_sel_blocks
+
+
+def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int, query_range: int | None = None):
     """Work items over the (query, slot) entries that chose each block.
 
     Returns (item_key, item_start, item_count, entries), int32: item i covers
     entries[item_start[i] : item_start[i] + item_count[i]], flat indices into
     indices.permute(0, 2, 1, 3) ([B,G,T,n]) of queries that selected block j of key
-    (b * G + g) * Ns + j, ascending in t. The number of items is a bound known on the
-    host (no sync); unused items have count 0 and key B * G * Ns, so item_key ascends.
+    (b * G + g) * Ns + j, ascending in t. A block's queries are split into ranges of
+    `query_range` tokens (default: T, no split), and the items ordered by (b, g, range, j):
+    programs that run together then read the queries of one range. The number of items is a
+    bound known on the host (no sync); unused items have count 0 and key B * G * Ns. Without
+    a split, item_key ascends and a block's items are consecutive.
     """
     B, T, G, n = indices.shape
-    total, n_keys = B * G * T * n, B * G * num_sel_blocks
+    query_range = T if query_range is None else query_range
+    NQ = -(-T // query_range)
+    total, n_keys = B * G * T * n, B * G * NQ * num_sel_blocks
     if total >= 2**31:
         raise ValueError(f"the inverse index holds fewer than 2**31 (query, slot) entries, got {total}")
     dev = indices.device
     keys = torch.empty(total, device=dev, dtype=_key_dtype(n_keys))
     _entry_keys_kernel[(triton.cdiv(total, _BLOCK),)](
-        indices, keys, *indices.stride()[:3], T, G, num_sel_blocks, n_keys, total, n=n, BLOCK=_BLOCK)
+        indices, keys, *indices.stride()[:3], T, G, num_sel_blocks, NQ, query_range, n_keys, total, n=n,
+        BLOCK=_BLOCK)
     sorted_keys, entries = torch.sort(keys, stable=True)  # stable: t ascending within a key
     # `counts` holds each key's end position until _key_items_kernel subtracts the start (absent keys: 0 - 0).
     starts, counts = torch.zeros(2, n_keys, device=dev, dtype=torch.int32)
@@ -119,11 +133,11 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int):
     _key_bounds_kernel[(triton.cdiv(total, _BLOCK),)](sorted_keys, starts, counts, total, n_keys, BLOCK=_BLOCK)
     _key_items_kernel[(triton.cdiv(n_keys, _BLOCK),)](starts, counts, items, n_keys, chunk, BLOCK=_BLOCK)
     item_end = torch.cumsum(items, 0, dtype=torch.int32)
-    max_items = total // chunk + n_keys
-    # Unused items get key n_keys, past every real one: item_key ascends over the whole array, so a key's items
+    max_items = num_items(B, T, G, n, num_sel_blocks, chunk, query_range)
+    # Unused items get a key past every real one: unsplit, item_key ascends over the whole array, so a key's items
     # can be found by binary search (the deterministic backward's sums, selected_attention.py).
     item_key, item_start, item_count = (torch.empty(max_items, device=dev, dtype=torch.int32) for _ in range(3))
     _items_kernel[(triton.cdiv(max_items, _BLOCK),)](starts, counts, items, item_end, item_key, item_start,
-                                                      item_count, n_keys, max_items, chunk,
+                                                      item_count, n_keys, max_items, chunk, num_sel_blocks, NQ,
                                                       STEPS=n_keys.bit_length(), BLOCK=_BLOCK)
     return item_key, item_start, item_count, entries.to(torch.int32)

@@ -20,7 +20,12 @@ values once and loop over the queries' (query, head) rows:
   add per element per item, only blocks chosen by more queries than one item holds
   have several) and writes each row's dQ contribution to a per-slot buffer, which
   query_grad sums while it computes the other branches' dQ. dQ thus needs no second
-  gather of the keys.
+  gather of the keys. The Gluon kernel instead adds the rows' dQ into one float32 dQ
+  with atomics (`Tuning.selected_dq_adds`), except in deterministic mode.
+
+The inverse index splits each block's queries into ranges (`Tuning.inverse_query_ranges`)
+and orders the items by range: the programs running together then gather rows of one
+range of q, which the L2 cache holds, and add their dQ rows into one range.
 
 On sm_90 GPUs, for calls large enough, both block-centric kernels run as Gluon kernels
 (hopper_selected_forward.py, hopper_selected_backward.py: same contracts).
@@ -449,10 +454,20 @@ def selected_path(seq_len: int, heads_per_group: int, sel_block: int, forward: b
     return TOKEN if large else BLOCKS
 
 
+def inverse_layout(seq_len: int, device: torch.device) -> tuple[int, int]:
+    """(entries per work item, tokens per query range) of the inverse index (Tuning.inverse_*); one range in
+    deterministic mode, whose dK/dV sums need a block's items together."""
+    cuda = device.type == "cuda"
+    chunk = TUNING.inverse_chunk if cuda else 4
+    if deterministic():
+        return chunk, seq_len
+    least = TUNING.inverse_min_range if cuda else 16
+    return chunk, max(least, -(-seq_len // max(1, TUNING.inverse_query_ranges)))
+
+
 def build_inverse_index(indices: torch.Tensor, seq_len: int, sel_block: int, chunk: int | None = None):
-    if chunk is None:
-        chunk = TUNING.inverse_chunk if indices.device.type == "cuda" else 4
-    return inverse_index(indices, -(-seq_len // sel_block), chunk)
+    default_chunk, query_range = inverse_layout(seq_len, indices.device)
+    return inverse_index(indices, -(-seq_len // sel_block), chunk or default_chunk, query_range)
 
 
 def _strides(*tensors) -> tuple:
@@ -533,10 +548,15 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, s
     launch = _block_launch(sel_block)
     dk_acc, dv_acc = ((torch.empty(item_key.numel(), launch["BLOCK_L"], x.shape[-1], device=x.device,
                                    dtype=torch.float32) for x in (k, v)) if partials else (dk_out, dv_out))
-    dqpart = q if token else torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
-    if hopper_selected_backward_supports(q, k, v, do, sel_block, write_dq=not token):
+    gluon = hopper_selected_backward_supports(q, k, v, do, sel_block, write_dq=not token)
+    dq_adds = gluon and not token and not partials and TUNING.selected_dq_adds
+    if dq_adds:  # the rows' dQ added into one float32 dQ (Tuning.selected_dq_adds)
+        dqpart = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    else:
+        dqpart = q if token else torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
+    if gluon:
         selected_backward_hopper(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, scale, n, not token,
-                                 partials)
+                                 partials, dq_adds)
     else:
         _sel_bwd_kernel[(item_key.numel(),)](
             q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, item_key, item_start, item_count, entries,
@@ -547,6 +567,8 @@ def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, s
     if partials:
         for part, out in ((dk_acc, dk_out), (dv_acc, dv_out)):
             _sum_item_partials(part, item_key, out, T, G, sel_block, launch["BLOCK_L"])
+    if dq_adds:
+        return dk_out, dv_out, SelectedDQ(SEL_DENSE, choice=indices, dq=dqpart)
     if not token:
         return dk_out, dv_out, SelectedDQ(SEL_PARTS, choice=indices, parts=dqpart)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)

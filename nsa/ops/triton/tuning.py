@@ -160,6 +160,21 @@ class Tuning:
     """Chunks in flight in that loop (H100, 128k x 16, 8 chunks a program: 3 stages 34.6 us, 2 38.4, 1 45.3)."""
     inverse_chunk: int = 256
     """(query, slot) entries per work item of the block-centric selected-branch kernels (4 under the interpreter)."""
+    inverse_query_ranges: int = 4
+    """The inverse index splits a sequence's queries into this many ranges and orders its work items by range, then
+    block, so that the programs running together gather their rows from one range of q (and do), which stays in
+    the L2 cache; not in deterministic mode, whose sums need a block's items together. H100, M7C at 32k x 2, GPU
+    time (benchmarks/item_order.py): selected forward with its merge 1.788 -> 1.697 ms with ranges of 8,192 tokens,
+    1.707 with 4,096, 1.857 with 1,024 (items of a range and block fill less)."""
+    inverse_min_range: int = 2048
+    """...each range holding at least this many tokens (16 under the interpreter). H100, M7C at 8k x 8: forward
+    with merge / backward 1.03x / 1.06x faster with ranges of 2,048 tokens, 1.00x / 1.04x with 8,192."""
+    selected_dq_adds: bool = True
+    """The block-centric selected backward's Gluon kernel adds each row's dQ into one float32 dQ of the branch with
+    relaxed atomics (in the L2 cache, the rows of one query range at a time), instead of writing a bf16 share per
+    (query, slot, head) that the dQ kernel reads back: at M7C 32k x 2, 1.61 GB written and read a layer. H100, 32k
+    x 2, selected backward and dQ kernel (benchmarks/item_order.py): 3.347 ms with shares, 3.199 with adds and
+    ranges of 8,192 tokens (3.314 with shares and those ranges). Not in deterministic mode."""
 
 
 TUNING = Tuning()
