@@ -172,9 +172,10 @@ class Tuning:
     selected_dq_adds: bool = True
     """The block-centric selected backward's Gluon kernel adds each row's dQ into one float32 dQ of the branch with
     relaxed atomics (in the L2 cache, the rows of one query range at a time), instead of writing a bf16 share per
-    (query, slot, head) that the dQ kernel reads back: at M7C 32k x 2, 1.61 GB written and read a layer. H100, 32k
-    x 2, selected backward and dQ kernel (benchmarks/item_order.py): 3.347 ms with shares, 3.199 with adds and
-    ranges of 8,192 tokens (3.314 with shares and those ranges). Not in deterministic mode."""
+    (query, slot, head) that the dQ kernel reads back: at M7C 32k x 2, 1.61 GB written and read a layer (now a 0.2
+    GB float32 dQ). H100, 32k x 2, selected backward and dQ kernel (benchmarks/item_order.py, two runs): 3.347 /
+    3.200 ms with shares, 3.199 / 3.157 with adds and ranges of 8,192 tokens (3.314 / 3.233 with shares and those
+    ranges). Not in deterministic mode."""
 
 
 TUNING = Tuning()
