@@ -250,6 +250,8 @@ SWEEP = {
     "row_block_m": [32, 128],
     "row_warps": [8],
     "inverse_chunk": [128, 512],
+    "inverse_query_ranges": [1, 2, 8],
+    "selected_dq_adds": [False],
     "gate_block_m+gate_warps": [(16, 4), (64, 4), (128, 4), (128, 8)],
     "tiled_max_blocks": [0, 64],
     "tiled_max_blocks_forward": [0],
