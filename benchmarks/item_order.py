@@ -31,16 +31,6 @@ from nsa.ops.triton.inverse_index import inverse_index
 from nsa.ops.triton.tuning import TUNING
 
 
-def dense_dq(sel: qg.SelectedDQ, idx: torch.Tensor, H: int) -> torch.Tensor:
-    """The selected branch's dQ [B,T,H,D] (float32) from either form of its share."""
-    if sel.kind == qg.SEL_DENSE:
-        return sel.dq
-    B, T, G, n = idx.shape
-    used = (idx.permute(0, 2, 1, 3) >= 0)[..., None, None]  # unused slots' shares are never written
-    parts = torch.where(used, sel.parts.float().view(B, G, T, n, H // G, -1), 0.0).sum(3)
-    return parts.permute(0, 2, 1, 3, 4).reshape(B, T, H, -1)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="32768x2")
@@ -79,7 +69,7 @@ def main() -> None:
             for adds in (False, True):
                 TUNING.selected_dq_adds = adds
                 dk, dv, sel, dq = backward()
-                got = (o, dk, dv, dense_dq(sel, idx, H), dq)
+                got = (o, dk, dv, sel.dense(), dq)
                 if ref is None:
                     ref = got
                 else:

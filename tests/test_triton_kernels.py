@@ -343,6 +343,32 @@ def test_inverse_index_lists_every_query_of_every_block_in_chunks(B, T, G, n, Ns
     assert used.sum() == sum(-(-c // 3) for c in per_range.values())
 
 
+def test_block_centric_selected_dq_partials_sum_to_the_reference_gradient(monkeypatch):
+    # SelectedDQ.dense sums the per-(query, slot, head) partials over the used slots: it must give dQ of the
+    # selected branch (the GPU tests compare the Gluon kernel's float32 dQ with it).
+    from nsa.ops.triton import selected_attention as sa
+
+    for field in ("tiled_max_blocks", "tiled_max_blocks_forward"):
+        monkeypatch.setattr(tuning.TUNING, field, 0)
+    torch.manual_seed(0)
+    B, T, H, G, D, sb = 2, 70, 4, 2, 16, 16
+    q, k, v = torch.randn(B, T, H, D), torch.randn(B, T, G, D), torch.randn(B, T, G, D)
+    k_cmp = torch.randn(B, (T - 8) // 4 + 1, G, D)
+    idx = select_blocks(q, k_cmp, block_len=8, block_stride=4, sel_block=sb, n_sel=3, backend="triton")
+    assert (idx < 0).any(), "no unused slot: the sum's mask would go unchecked"
+    q, k, v, idx = (x.to(DEVICE) for x in (q, k, v, idx))
+    inverse = sa.build_inverse_index(idx, T, sb)
+    o_other, gates = torch.zeros_like(q), torch.ones(B, T, H, 3, device=DEVICE)
+    _, o_sel, lse = sa.selected_forward(q, k, v, idx, inverse, o_other, o_other, gates, D**-0.5, sb)
+    do = torch.randn_like(o_sel)
+    _, _, sel = sa.selected_backward(q, k, v, idx, inverse, do, lse, (do * o_sel).sum(-1), D**-0.5, sb)
+    assert sel.parts is not None
+    qr = q.detach().cpu().requires_grad_()
+    ref = reference.selected_attention(qr, k.cpu(), v.cpu(), idx.cpu(), sel_block=sb)
+    (want,) = torch.autograd.grad(ref, qr, do.cpu())
+    torch.testing.assert_close(sel.dense().cpu(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
 def test_each_branch_alone_matches_the_reference(branch, sel_path):
     # One gate at 1, the others at 0: the output and every gradient come from that branch alone.

@@ -44,6 +44,12 @@ def row_io_layout(num_warps, d):
     return gl.BlockedLayout([1, 8], [32 // (d // 8), d // 8], [num_warps, 1], [1, 0])
 
 
+@gluon.constexpr_function
+def add_io_layout(num_warps, d):
+    """Row-major float32 [rows, d] tiles in 16-byte pieces (four-wide atomic adds): the gradients' adds."""
+    return gl.BlockedLayout([1, 4], [32 // (d // 4), d // 4], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def _rows_seeing(k_first, NK, T, MODE: gl.constexpr, BLOCK_N: gl.constexpr, block_len, block_stride, window):
     """Tokens that see any key of the tile [t_lo, t_hi] and those that see all of them [f_lo, f_hi]
@@ -125,7 +131,7 @@ def _store_grad(OUT, acc, b, g, key0, NK, sb, st, sg, D: gl.constexpr, BLOCK_N: 
                 ATOMIC: gl.constexpr, num_warps: gl.constexpr):
     """dK or dV of the tile: stored in OUT's type, or added (float32) with relaxed atomics where several splits
     share keys."""
-    out_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (D // 4), D // 4], [num_warps, 1], [1, 0])
+    out_l: gl.constexpr = add_io_layout(num_warps, D)
     acc = gl.convert_layout(acc, out_l)
     key = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
     d = gl.arange(0, D, layout=gl.SliceLayout(0, out_l))

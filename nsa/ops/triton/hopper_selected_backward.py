@@ -31,8 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import LOG2E
-from .hopper_backward import (_store_grad, hopper_backward_config, hopper_backward_supports, row_io_layout,
-                              wgmma_layout)
+from .hopper_backward import (_store_grad, add_io_layout, hopper_backward_config, hopper_backward_supports,
+                              row_io_layout, wgmma_layout)
 from .hopper_forward import _descriptor
 from .tuning import TUNING
 
@@ -206,7 +206,7 @@ def _sel_bwd_hopper(
                 if DQ_ADD:
                     # A float32 dQ [B,T,H,D] of the branch, added into with relaxed atomics (programs that run
                     # together gather queries of one range when the index is split by query ranges).
-                    add_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (D // 4), D // 4], [num_warps, 1], [1, 0])
+                    add_l: gl.constexpr = add_io_layout(num_warps, D)
                     rq = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_l))
                     tq = (ent_smem.index(stage).load(gl.SliceLayout(1, add_l)) // n - bg * T).to(gl.int64)
                     dst = DQPART + (b * sdqb + tq * sdqt + (g * h + rq % h) * sdqh)[:, None] + gl.arange(
@@ -263,6 +263,6 @@ def selected_backward_hopper(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, in
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
         dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
         T, G, -(-T // cfg["BLOCK_N"]), scale * LOG2E, scale, n=n, h=H // G, D=D,
-        WRITE_DQ=write_dq, PARTIALS=partials, DQ_ADD=dq_add,
-        **(dict(sdqb=dqpart.stride(0), sdqt=dqpart.stride(1), sdqh=dqpart.stride(2)) if dq_add else {}), **cfg,
+        WRITE_DQ=write_dq, PARTIALS=partials, DQ_ADD=dq_add, **dict(zip(("sdqb", "sdqt", "sdqh"), dqpart.stride()[:3])),
+        **cfg,
     )

@@ -50,6 +50,19 @@ class SelectedDQ:
     """SEL_DENSE: float32 [B,T,H,Dk], already scaled."""
     sel_block: int = 1
 
+    def dense(self) -> torch.Tensor:
+        """SEL_PARTS or SEL_DENSE as a float32 dQ [B,T,H,Dk] (the partials summed over the used slots; unused slots'
+        partials are never written). For checks and benchmarks: query_grad reads the partials in place."""
+        if self.kind == SEL_DENSE:
+            return self.dq
+        if self.kind != SEL_PARTS:
+            raise ValueError(f"only the partials or a dense dQ can be summed, not kind {self.kind}")
+        B, T, G, n = self.choice.shape
+        h, Dk = self.parts.shape[1:]
+        used = (self.choice.permute(0, 2, 1, 3) >= 0)[..., None, None]
+        summed = torch.where(used, self.parts.float().view(B, G, T, n, h, Dk), 0.0).sum(3)
+        return summed.permute(0, 2, 1, 3, 4).reshape(B, T, G * h, Dk)
+
 
 @triton.jit
 def _branch_dq(q, do, dq, LSE, DELTA, lse_off, row_ok, K, V, k_base, v_base, skt, svt, NK, pid_m, b, g, t, T,
