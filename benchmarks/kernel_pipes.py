@@ -1,11 +1,13 @@
-"""Where the attention kernels' cycles go, by Nsight Compute: our range/dQ kernels against cuDNN's and flash's
-dense kernels at the same shape (pipe utilisation, stall reasons, occupancy).
+"""Where the attention kernels' cycles go, by Nsight Compute: our kernels against cuDNN's and flash's dense
+kernels at the same shape (pipe utilisation, stall reasons, occupancy, DRAM and L2 traffic). Ours are the range
+and dQ kernels and, at long sequences, the block-centric selected branch, its merge and the selection.
 
     bash -c 'source benchmarks/gpu_env.sh; python3 benchmarks/kernel_pipes.py m7c 2048 16 --out DIR'
 
 Runs ncu on itself (--run nsa|cudnn|flash does one forward+backward for it) and writes one CSV of metrics per
 run plus a short table: the instruction pipes that bound a kernel at D=64 are the tensor cores (wgmma), the
-MUFU/XU unit (exp2) and the FMA/ALU units (scaling, masks, row max and sum), so those are the columns.
+MUFU/XU unit (exp2) and the FMA/ALU units (scaling, masks, row max and sum), so those are the columns; the
+selected branch's partials make DRAM traffic matter too (megabytes read and written).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ METRICS = {
     "lsu %": "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
     "issue %": "sm__inst_issued.avg.pct_of_peak_sustained_active",
     "dram %": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "l2 %": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram rd MB": "dram__bytes_read.sum",
+    "dram wr MB": "dram__bytes_write.sum",
     "warps": "sm__warps_active.avg.per_cycle_active",
     "regs": "launch__registers_per_thread",
     "ns": "gpu__time_duration.sum",
@@ -38,9 +43,13 @@ METRICS = {
     "st short sb": "smsp__average_warp_latency_issue_stalled_short_scoreboard",
     "st selected": "smsp__average_warp_latency_issue_stalled_selected",
     "st not sel": "smsp__average_warp_latency_issue_stalled_not_selected",
+    "st lg": "smsp__average_warp_latency_issue_stalled_lg_throttle",
+    "st drain": "smsp__average_warp_latency_issue_stalled_drain",
 }
 KERNELS = {
-    "nsa": "regex:_range_fwd|_range_bwd_dkdv|_range_dkdv|_query_grad",  # Triton's kernels and the Gluon ones
+    # Triton's kernels and the Gluon ones; at 32k and beyond the selected branch is block-centric (_sel_*), its
+    # partials merged by _finalize_kernel.
+    "nsa": "regex:_range_fwd|_range_bwd_dkdv|_range_dkdv|_query_grad|_sel_|_finalize|_select_kernel|_items_kernel",
     "cudnn": "regex:sdpa|cudnn",
     "flash": "regex:flash",
 }
@@ -68,7 +77,8 @@ def profile(kind: str, shape: str, T: int, batch: int, out: Path) -> list[dict]:
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
     metrics = list(METRICS.values())
     while True:
-        cmd = [ncu, "--csv", "--page", "raw", "-k", KERNELS[kind], "--metrics", ",".join(metrics),
+        cmd = [ncu, "--csv", "--page", "raw", "--print-units", "base", "-k", KERNELS[kind],
+               "--metrics", ",".join(metrics),
                sys.executable, __file__, shape, str(T), str(batch), "--run", kind]
         res = subprocess.run(cmd, capture_output=True, text=True)
         unknown = [m for m in metrics if m in res.stdout + res.stderr and "ERROR" in res.stdout + res.stderr]
@@ -95,7 +105,8 @@ def value(row: dict, metric: str) -> str:
     """A metric's value as a short string; a stall counter is asked for by its base name and read as .pct."""
     v = row.get(metric, row.get(metric + ".pct", ""))
     try:
-        return f"{float(v.replace(',', '')):.3g}"
+        x = float(v.replace(',', ''))
+        return f"{x / 1e6 if metric.startswith('dram__bytes') else x:.3g}"  # base units: bytes -> MB
     except ValueError:
         return v
 

@@ -36,6 +36,9 @@ def test_ncu_rows_skip_the_units_line_and_stalls_read_as_percent(tmp_path):
     assert pipes.value(rows[0], tensor) == "28.5"
     assert pipes.value(rows[1], stall) == "6.47e+06"  # thousands separators dropped, .pct used for a base name
     assert pipes.value(rows[0], "not_a_metric") == ""
+    # ncu runs with --print-units base, so DRAM traffic arrives in bytes and the table shows megabytes.
+    written = pipes.METRICS["dram wr MB"]
+    assert pipes.value({written: "1,630,000,000"}, written) == "1.63e+03"
 
 
 def _assert_built(check: str, cases: int) -> list[str]:
