@@ -7,9 +7,9 @@ together gather from one range. For the index unsplit and split into ranges of e
 this script times (GPU time, calls queued back to back) the Gluon forward with its merge, and the backward with the
 dQ kernel, the rows' dQ written as per-slot shares or added into one float32 dQ; and checks that the results agree.
 
-CUDA-graph replays of these calls (this script's first form) failed with an illegal memory access at 65,536 tokens
-(32k x 2, 8k x 8; H100 and H200, the previous commit's code too), not at 32k x 1 and not under compute-sanitizer;
-training's graphs and the GPU tests were not affected. Calls queued without graphs show the same ratios.
+This script's first form timed CUDA-graph replays, and they failed with an illegal memory access at 65,536 tokens:
+it kept only each graph, so the inverse index a graph read was freed when the loop moved to the next variant
+(benchmarks/RESULTS.md, thirty-first session). Calls queued without graphs show the same ratios.
 
     bash -c 'source benchmarks/gpu_env.sh; python3 benchmarks/item_order.py --cases 32768x2 --ranges 8192,4096'
 """

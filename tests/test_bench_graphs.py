@@ -64,3 +64,45 @@ def test_gpu_busy_time_is_the_union_of_kernels_and_counts_only_long_gaps():
     events.append(Event(device_type=cpu, time_range=Event(start=0, end=10_000)))
     busy, gaps = gpu_busy_ms(events)
     assert busy == pytest.approx(0.33) and gaps == pytest.approx(0.25)
+
+
+def test_a_graphed_call_keeps_what_its_graph_reads_alive(monkeypatch):
+    """The graph reads the captured call's inputs where they were at capture: the replay must hold the call (and
+    what its closure holds), or a caller that keeps only the replay lets them be freed and overwritten (how
+    item_order.py's first form failed with illegal memory accesses)."""
+    import contextlib
+    import gc
+    import weakref
+
+    import nsa.bench.common as common
+
+    class FakeGraph:
+        replays = 0
+
+        def replay(self):
+            FakeGraph.replays += 1
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(common.torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(common.torch.cuda, "current_stream", lambda: FakeStream())
+    monkeypatch.setattr(common.torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(common.torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(common.torch.cuda, "graph", lambda g: contextlib.nullcontext())
+
+    class Inputs:  # stands for the tensors only the captured call holds
+        pass
+
+    inputs = Inputs()
+    alive = weakref.ref(inputs)
+    replay = common.graphed(lambda held=inputs: held)
+    del inputs
+    gc.collect()
+    assert alive() is not None
+    replay()
+    assert FakeGraph.replays == 1
+    del replay
+    gc.collect()
+    assert alive() is None  # held by the replay, not leaked

@@ -1,4 +1,11 @@
-"""Localise the 65k-token CUDA-graph replay failure of item_order.py's first form (s30)."""
+"""Localise the 65k-token CUDA-graph replay failure of item_order.py's first form (s30).
+
+Kept as run in the thirty-first session (benchmarks/RESULTS.md). Its failures come from this script, not from the
+library: the loop rebinds `inv` each iteration and keeps only the captured graph (the lambda holding `inv` is
+dropped after capture), so the inverse index an earlier graph reads is freed and overwritten by the next
+variant's allocations. Hold every variant's `inv` (e.g. in a list) to replay these graphs correctly. That fix was
+not run on a GPU (no device time left); a separate script holding the index passed every case.
+"""
 import sys, torch
 from nsa.bench.attention import HP, SHAPES, make_inputs
 from nsa.ops import select_blocks
