@@ -84,7 +84,7 @@ def test_a_graphed_call_keeps_what_its_graph_reads_alive(monkeypatch):
 
     class FakeStream:
         def wait_stream(self, other):
-            pass
+            """Ordering between streams has nothing to do without a GPU."""
 
     monkeypatch.setattr(common.torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(common.torch.cuda, "current_stream", lambda: FakeStream())
@@ -92,8 +92,8 @@ def test_a_graphed_call_keeps_what_its_graph_reads_alive(monkeypatch):
     monkeypatch.setattr(common.torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(common.torch.cuda, "graph", lambda g: contextlib.nullcontext())
 
-    class Inputs:  # stands for the tensors only the captured call holds
-        pass
+    class Inputs:
+        """Stands for the tensors only the captured call holds."""
 
     inputs = Inputs()
     alive = weakref.ref(inputs)
