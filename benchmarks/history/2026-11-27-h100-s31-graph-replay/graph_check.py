@@ -3,8 +3,13 @@
 Kept as run in the thirty-first session (benchmarks/RESULTS.md). Its failures come from this script, not from the
 library: the loop rebinds `inv` each iteration and keeps only the captured graph (the lambda holding `inv` is
 dropped after capture), so the inverse index an earlier graph reads is freed and overwritten by the next
-variant's allocations. Hold every variant's `inv` (e.g. in a list) to replay these graphs correctly. That fix was
-not run on a GPU (no device time left); a separate script holding the index passed every case.
+variant's allocations. With "hold", every variant's `inv` is kept in a list: run on an H100 in the thirty-second
+session, every case then replayed and the forward graphs matched eager exactly, while the same run without "hold"
+failed (held_index_s32.txt).
+
+    python graph_check.py sync_keep|queued_keep ONLY [hold] [kernel|bwd] [triton] [T=N] [B=N]
+
+ONLY ("" for all) keeps the variants whose name contains it.
 """
 import sys, torch
 from nsa.bench.attention import HP, SHAPES, make_inputs
@@ -58,8 +63,10 @@ def fwd_kernel(inv):
     return opart, lsepart
 graphs = []
 eager_o = {}
+held = []  # with "hold": every variant's inverse index lives as long as the graphs that read it
 for name, qrange in (("unsplit", T), ("ranges 8192", 8192), ("ranges 4096", 4096)):
     inv = inverse_index(idx, -(-T // sb), TUNING.inverse_chunk, qrange)
+    if "hold" in sys.argv: held.append(inv)
     o, o_sel, lse = sa.selected_forward(q, k, v, idx, inv, o_cmp, o_win, gates, scale, sb)
     delta = (do.float() * o_sel.float()).sum(-1)
     lse_g = torch.stack([others[0][1], lse, others[1][1]])
