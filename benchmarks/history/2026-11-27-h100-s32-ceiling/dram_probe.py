@@ -5,26 +5,15 @@ buffer the size of the per-slot partials at M7C 32k x 2 (B*G*T*n rows of h = 6 h
 """
 import torch
 
+from nsa.bench.common import time_cuda
+
 rows = 2 * 2 * 32768 * 16
 x = torch.empty(rows, 6, 64, device="cuda", dtype=torch.bfloat16).normal_()
 y = torch.empty_like(x)
 nbytes = x.numel() * x.element_size()
 
-
-def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 for name, fn, moved in (("write (fill)", lambda: y.fill_(1.0), nbytes),
                         ("read (sum)", lambda: x.sum(dtype=torch.float32), nbytes),
                         ("copy (read + write)", lambda: y.copy_(x), 2 * nbytes)):
-    ms = timed(fn)
+    ms = time_cuda(fn, queued=True)  # GPU time per call, calls back to back
     print(f"{name:22s} {nbytes / 1e9:.2f} GB buffer  {ms:.3f} ms  {moved / ms / 1e6:.0f} GB/s", flush=True)
