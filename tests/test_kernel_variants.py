@@ -1,8 +1,9 @@
-"""The kernel tools in benchmarks/ keep up with the kernels. select_variants.py and decode_variants.py time the
-kernels against copies with one source edit each: every edit must still find its text in the shipped kernel file,
+"""The kernel tools in benchmarks/ keep up with the kernels. The *_variants.py scripts time the kernels against
+copies with source edits: every edit must still find its text in the shipped kernel file,
 and every edited copy must import (its kernels compile on the GPU, where the scripts run). offline_compile.py must
 build every kernel it lists for sm_90."""
 
+import functools
 import importlib.util
 import os
 import re
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from nsa.bench.common import kernel_variant
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -23,12 +26,14 @@ def _script(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["select_variants", "decode_variants"])
+@pytest.mark.parametrize(
+    "name", ["select_variants", "decode_variants", "selected_forward_variants", "selected_backward_variants"])
 def test_every_variant_applies_to_the_shipped_kernels(name, tmp_path):
     script = _script(name)
     assert len(script.VARIANTS) > 1
+    load = getattr(script, "load_variant", None) or functools.partial(kernel_variant, script.SOURCE)
     for variant, edits in script.VARIANTS.items():
-        module = script.load_variant(variant, edits, tmp_path)
+        module = load(variant, edits, tmp_path)
         source = Path(module.__file__).read_text()
         assert all(new in source for _, new in edits), variant
 

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .common import LOG2E
-from .hopper_backward import (_store_grad, add_io_layout, hopper_backward_config, hopper_backward_supports,
+from .hopper_backward import (_store_grad, hopper_backward_config, hopper_backward_supports,
                               row_io_layout, wgmma_layout)
 from .hopper_forward import _descriptor
 from .tuning import TUNING
@@ -107,6 +107,17 @@ def _load_step(Q, DO, LSE, DELTA, ENTRIES, q_smem, do_smem, lse_smem, delta_smem
     off = b * slb + gl.where(ok_v, fv // n - bg * T, 0).to(gl.int64) * slt + g * h + rv % h
     async_copy.async_copy_global_to_shared(lse_smem.index(stage), LSE + off, mask=ok_v)
     async_copy.async_copy_global_to_shared(delta_smem.index(stage), DELTA + off, mask=ok_v)
+
+
+@gluon.constexpr_function
+def band_add_layout(num_warps, d):
+    """Row-major float32 [rows, d] tiles in 16-byte pieces (four-wide atomic adds) in which each warp holds the
+    16-row bands of the wgmma result it computed, so converting dQ to it needs no block-wide barrier.
+    At M7C 32k x 2 this kernel ran 2.02-2.04 ms against 2.07-2.12 with add_io_layout's bands across warps
+    (benchmarks/selected_backward_variants.py, thirty-third session); 1 or 2 rows a thread were slower."""
+    col_lanes = min(8, d // 4)
+    row_lanes = 32 // col_lanes
+    return gl.BlockedLayout([16 // row_lanes, 4], [row_lanes, col_lanes], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
@@ -206,7 +217,7 @@ def _sel_bwd_hopper(
                 if DQ_ADD:
                     # A float32 dQ [B,T,H,D] of the branch, added into with relaxed atomics (programs that run
                     # together gather queries of one range when the index is split by query ranges).
-                    add_l: gl.constexpr = add_io_layout(num_warps, D)
+                    add_l: gl.constexpr = band_add_layout(num_warps, D)
                     rq = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_l))
                     tq = (ent_smem.index(stage).load(gl.SliceLayout(1, add_l)) // n - bg * T).to(gl.int64)
                     dst = DQPART + (b * sdqb + tq * sdqt + (g * h + rq % h) * sdqh)[:, None] + gl.arange(
