@@ -6,6 +6,9 @@ timed on one selection at M7C's shape with the default inverse index (queued cal
 - "no output stores": each row's normalised output is summed into its log-sum-exp store, so the products stay live
   but the 8 KB of partial outputs a row step writes are gone (its lse values are then wrong; it only attributes
   time);
+- "stores in bands per warp": the output converted to a layout whose warps hold the 16-row bands of the product
+  they computed (M7C head dim 64 only), so the conversion needs no block-wide barrier (what the selected backward's
+  dQ adds gained from, thirty-third session); its partials must equal the shipped ones;
 - "stores from the wgmma layout": the output stored straight from the accumulator's registers (4-byte pieces)
   instead of converted through shared memory to 16-byte row pieces; its partials must equal the shipped ones.
 
@@ -32,6 +35,15 @@ LSE_STORE = "            gl.store(LSEPART + part_l, m + gl.log2(l_sum), mask=rl 
 O_STORE = """            gl.store(OPART + (part * D)[:, None] + d_io[None, :], gl.convert_layout(out.to(dtype), io),
                      mask=(rq < rows)[:, None])
 """
+ROWS_STORE = """            rq = r0 + gl.arange(0, BLOCK_M, layout=io_row)
+            part = ent_smem.index(stage).load(io_row).to(gl.int64) * h + rq % h
+"""
+BAND_STORE = """            band: gl.constexpr = gl.BlockedLayout([4, 8], [4, 8], [4, 1], [1, 0])
+            rq = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, band))
+            part = ent_smem.index(stage).load(gl.SliceLayout(1, band)).to(gl.int64) * h + rq % h
+            gl.store(OPART + (part * D)[:, None] + gl.arange(0, D, layout=gl.SliceLayout(0, band))[None, :],
+                     gl.convert_layout(out.to(dtype), band), mask=(rq < rows)[:, None])
+"""
 VARIANTS = {
     "as shipped": [],
     "no output stores": [
@@ -39,6 +51,7 @@ VARIANTS = {
         (O_STORE, "            gl.store(LSEPART + part_l, m + gl.log2(l_sum) + gl.convert_layout(gl.sum(out, 1), "
                   "row_s), mask=rl < rows)\n"),
     ],
+    "stores in bands per warp": [(ROWS_STORE + O_STORE, BAND_STORE)],
     "stores from the wgmma layout": [
         (O_STORE, """            row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
             gl.store(OPART + (gl.convert_layout(part_l, row_o) * D)[:, None]
