@@ -30,10 +30,8 @@ from pathlib import Path
 
 import torch
 
-from nsa.bench.attention import HP, SHAPES, make_inputs
+from nsa.bench.attention import HP, SHAPES, selected_branch_inputs
 from nsa.bench.common import format_table, kernel_variant, print_row, time_cuda
-from nsa.ops import select_blocks
-from nsa.ops.triton.selected_attention import build_inverse_index
 
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/hopper_selected_backward.py"
 COLUMNS = ["variant", "ms", "rounds", "dK/dV max diff", "dQ max diff"]
@@ -117,11 +115,9 @@ def offline(folder: Path) -> None:
 
 def timed(T: int, batch: int, folder: Path, rounds: int) -> None:
     H, G, D, _ = SHAPES["m7c"]
-    sb, n = HP["sel_block"], HP["n_sel"]
-    q, k_cmp, _, k, v, *_ = (x.detach() for x in make_inputs(T, H, G, D, D, batch=batch))
+    n = HP["n_sel"]
+    q, k, v, inv = selected_branch_inputs(T, batch)
     scale = D**-0.5
-    idx = select_blocks(q, k_cmp, **{x: HP[x] for x in ("block_len", "block_stride", "sel_block", "n_sel")})
-    inv = build_inverse_index(idx, T, sb)
     do = torch.randn_like(q)
     # Row statistics of plausible size (lse ~ log of ~1,024 keys); the kernel's work does not depend on them.
     lse = torch.full((batch, T, H), 7.0, device=q.device)

@@ -24,10 +24,8 @@ from pathlib import Path
 
 import torch
 
-from nsa.bench.attention import HP, SHAPES, make_inputs
+from nsa.bench.attention import HP, SHAPES, selected_branch_inputs
 from nsa.bench.common import format_table, kernel_variant, print_row, time_cuda
-from nsa.ops import select_blocks
-from nsa.ops.triton.selected_attention import build_inverse_index
 
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/hopper_selected_forward.py"
 COLUMNS = ["variant", "ms", "same partials"]
@@ -82,11 +80,9 @@ def offline(folder: Path) -> None:
 
 def timed(T: int, batch: int, folder: Path) -> None:
     H, G, D, _ = SHAPES["m7c"]
-    sb, n = HP["sel_block"], HP["n_sel"]
-    q, k_cmp, _, k, v, *_ = (x.detach() for x in make_inputs(T, H, G, D, D, batch=batch))
+    n = HP["n_sel"]
+    q, k, v, inv = selected_branch_inputs(T, batch)
     scale = D**-0.5
-    idx = select_blocks(q, k_cmp, **{x: HP[x] for x in ("block_len", "block_stride", "sel_block", "n_sel")})
-    inv = build_inverse_index(idx, T, sb)
     rows, shipped = [], None
     for name, edits in VARIANTS.items():
         module = kernel_variant(SOURCE, name, edits, folder)
