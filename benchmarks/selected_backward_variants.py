@@ -32,15 +32,15 @@ import torch
 
 from nsa.bench.attention import HP, SHAPES, selected_branch_inputs
 from nsa.bench.common import format_table, kernel_variant, print_row, time_cuda
+from nsa.ops.triton import hopper_selected_backward as shipped
 
 SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/hopper_selected_backward.py"
 COLUMNS = ["variant", "ms", "rounds", "dK/dV max diff", "dQ max diff"]
 ADD = """                    gl.atomic_add(dst, gl.convert_layout(dq * scale, add_l), mask=(rq < rows)[:, None],
                                   sem="relaxed")
 """
-# "adds a step later": each step's dQ (scaled, in the accumulator's layout) is carried into the next step and
-# converted and added there, after that step's two first products are issued, so the tensor cores are not idle
-# while the adds are issued; the last step's dQ is added after the loop.
+# "adds a step later" (see above): the carried state, its delivery after the next step's first two products, the
+# last step's after the loop.
 LOOP = "        for s in range(n_steps):\n"
 CARRY = """        add_l: gl.constexpr = band_add_layout(num_warps, D)
         add_row: gl.constexpr = gl.SliceLayout(1, add_l)
@@ -122,7 +122,6 @@ def timed(T: int, batch: int, folder: Path, rounds: int) -> None:
     # Row statistics of plausible size (lse ~ log of ~1,024 keys); the kernel's work does not depend on them.
     lse = torch.full((batch, T, H), 7.0, device=q.device)
     delta = 0.01 * torch.randn(batch, T, H, device=q.device)
-    grads = {}
 
     def runner(module, write_dq: bool):
         def run():
@@ -135,11 +134,9 @@ def timed(T: int, batch: int, folder: Path, rounds: int) -> None:
         return run
 
     runs = {name: runner(kernel_variant(SOURCE, name, edits, folder), True) for name, edits in VARIANTS.items()}
-    import nsa.ops.triton.hopper_selected_backward as shipped
     runs["no dQ"] = runner(shipped, False)
     times = {name: [] for name in runs}
-    for name, run in runs.items():
-        grads[name] = run()
+    grads = {name: run() for name, run in runs.items()}
     for _ in range(rounds):
         for name, run in runs.items():
             times[name].append(time_cuda(run, queued=True))
