@@ -314,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("args", nargs="*", metavar="CONFIG | key=value", help=CONFIG_HELP + " (default: m7c)")
     p.add_argument("--seq-lens", type=_int_list, default="2048,8192,32768", help="comma-separated sequence lengths")
-    p.add_argument("--attention", default="nsa,dense", help="comma-separated: nsa, dense")
+    p.add_argument("--attention", default="nsa,dense",
+                   help="comma-separated: nsa, dense (SDPA's own kernel choice), dense:BACKEND (SDPA pinned to flash, "
+                   "cudnn, efficient or math; dense:flash is DESIGN.md's reference); NSA gets a ratio to each")
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per micro-batch per rank")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")

@@ -54,6 +54,17 @@ def test_train_panels_separate_parallel_modes_and_skip_missing_ratios():
     assert panels["NSA / dense tokens/s"] == {"nsa / dense": [(32768, 1.75)]}
 
 
+def test_train_ratios_and_panels_hold_one_line_per_dense_reference():
+    from nsa.bench.training import _with_ratios, table_columns
+
+    rows = _with_ratios([{"attention": a, "seq_len": 32768, "ranks": 1, "mode": "single", "tokens_per_s": tok}
+                         for a, tok in (("nsa", 300e3), ("dense", 150e3), ("dense:flash", 100e3))])
+    assert [(r["vs_dense"], r["vs_dense_flash"]) for r in rows] == [(2.0, 3.0), (1.0, 1.5), (2 / 3, 1.0)]
+    assert {"vs_dense", "vs_dense_flash"} <= set(table_columns(rows))
+    assert plot.train_series(rows)["NSA / dense tokens/s"] == {"nsa / dense": [(32768, 2.0)],
+                                                               "nsa / dense:flash": [(32768, 3.0)]}
+
+
 @pytest.mark.parametrize("rows,name", [(ATTENTION, "attention"), (DECODE, "decode_compiled"), (TRAIN, "train_1rank")])
 def test_saved_results_redraw_to_a_png(tmp_path, rows, name, capsys):
     import matplotlib.image

@@ -128,3 +128,37 @@ def test_rope_scores_depend_only_on_relative_position():
     torch.testing.assert_close(score(5, 2), score(105, 102))
     torch.testing.assert_close(score(1000, 990), score(10, 0), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(score(5, 2), score(5, 3))
+
+
+def test_a_pinned_dense_kernel_gives_what_sdpa_chooses_and_is_the_kernel_that_runs():
+    """model.dense_backend pins SDPA's kernel (dense:flash in nsa bench train): same numbers as PyTorch's own
+    choice, and the pin is real: the math kernel, pinned, runs no flash kernel."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 96, (2, 40))
+    auto = Transformer(small(attention="dense"))
+    for backend in ("flash", "math"):
+        pinned = Transformer(small(attention="dense", dense_backend=backend))
+        pinned.load_state_dict(auto.state_dict())
+        torch.testing.assert_close(pinned(tokens), auto(tokens), rtol=1e-4, atol=1e-5)
+    with torch.profiler.profile() as prof:
+        pinned(tokens)
+    ops = {e.name for e in prof.events()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in ops, ops
+    with torch.profiler.profile() as prof:
+        Transformer(small(attention="dense", dense_backend="flash"))(tokens)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in {e.name for e in prof.events()}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+@pytest.mark.parametrize("backend,op", [("flash", "aten::_scaled_dot_product_flash_attention"),
+                                        ("cudnn", "aten::_scaled_dot_product_cudnn_attention")])
+def test_a_pinned_dense_kernel_runs_on_the_gpu_forward_and_backward(backend, op):
+    """M7C's head shape in bf16, as nsa bench train's dense:flash row runs it (the pinned kernel, with gradients)."""
+    torch.manual_seed(0)
+    cfg = small(attention="dense", dense_backend=backend, n_heads=12, n_kv_heads=2, head_dim=64, dim=768)
+    model = Transformer(cfg).cuda()
+    tokens = torch.randint(0, 96, (2, 512), device="cuda")
+    with torch.profiler.profile() as prof, torch.autocast("cuda", dtype=torch.bfloat16):
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert op in {e.name for e in prof.events()}
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

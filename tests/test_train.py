@@ -131,6 +131,10 @@ def test_deterministic_runs_repeat_and_resume_bit_for_bit(tmp_path, device):
         (["train", "parallel.cudagraphs=true"], "nsa: error: parallel.cudagraphs=true replays compiled blocks: add "
                                                 "parallel.compile=true"),
         (["train", "train.device=cuda:0"] if not torch.cuda.is_available() else ["train", "train.device=tpu"], "nsa: error: train.device="),
+        # The CPU has no cuDNN attention: refused before anything compiles, naming the key.
+        (["train", "model.attention=dense", "model.dense_backend=cudnn", "train.device=cpu", "parallel.compile=true"],
+         "nsa: error: model.dense_backend=cudnn has no SDPA kernel for this call (cpu"),
+        (["bench", "train", "--attention", "nsa,dense:fast"], "nsa: error: unknown --attention entry 'dense:fast'"),
     ],
 )
 def test_cli_user_errors_are_one_line_with_exit_code_2(args, message, capsys, tmp_path):

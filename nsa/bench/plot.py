@@ -67,6 +67,12 @@ def decode_series(rows: list[dict]) -> dict[str, Series]:
     return panels
 
 
+def ratio_column(reference: str) -> str:
+    """`nsa bench train`'s column of tokens/s over a dense row: vs_dense for 'dense', vs_dense_flash for
+    'dense:flash'."""
+    return "vs_" + reference.replace(":", "_")
+
+
 def train_series(rows: list[dict]) -> dict[str, Series]:
     """{panel: {label: points}}: tokens/s of each model (and parallel mode), and NSA over dense, against T."""
     def label(r: dict) -> str:
@@ -77,7 +83,9 @@ def train_series(rows: list[dict]) -> dict[str, Series]:
     for r in rows:
         groups.setdefault(label(r), []).append(r)
     panels = {"tokens/s": {k: _points(v, "seq_len", "tokens_per_s") for k, v in groups.items()}}
-    ratios = {f"{k} / dense": _points(v, "seq_len", "vs_dense") for k, v in groups.items() if not k.startswith("dense")}
+    references = dict.fromkeys(r["attention"] for r in rows if r["attention"].startswith("dense")) or {"dense": None}
+    ratios = {f"{k} / {ref}": _points(v, "seq_len", ratio_column(ref))
+              for k, v in groups.items() if not k.startswith("dense") for ref in references}
     ratios = {k: v for k, v in ratios.items() if v}
     if ratios:
         panels["NSA / dense tokens/s"] = ratios

@@ -17,10 +17,11 @@ import torch
 
 from ..config import load_config
 from ..errors import UserError
+from ..model.attention import SDPA_BACKENDS
 from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
 from ..train.loop import Trainer
 from .common import environment, format_table, print_row, profile_to_file, write_results
-from .plot import picture
+from .plot import picture, ratio_column
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 datasheet peaks used for MFU (override with --peak-tflops)."""
@@ -95,6 +96,18 @@ def profiled_step(step, path: Path, is_main: bool) -> None:
 PROGRESS_COLUMNS = ["attention", "seq_len", "batch_per_rank", "ranks", "tokens_per_s", "peak_mem_gb", "step_ms"]
 
 
+def model_overrides(attention: str) -> list[str]:
+    """The model keys of one row's label: 'nsa', 'dense' (SDPA's own choice of kernel) or 'dense:BACKEND' (SDPA
+    pinned to model.dense_backend=BACKEND, e.g. dense:flash, the reference DESIGN.md section 5 names)."""
+    kind, _, backend = attention.partition(":")
+    if kind == "nsa" and not backend:
+        return ["model.attention=nsa"]
+    if kind == "dense" and backend in ("", *SDPA_BACKENDS):
+        return ["model.attention=dense", f"model.dense_backend={backend or 'auto'}"]
+    raise UserError(f"unknown --attention entry {attention!r}; use nsa, dense or dense:BACKEND with BACKEND one of "
+                    f"{', '.join(SDPA_BACKENDS)}")
+
+
 def bench_config(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int,
                  steps: int):
     """The training config of one benchmark row: synthetic tokens, no evaluation or sampling, nothing resumed."""
@@ -102,10 +115,10 @@ def bench_config(config: str | None, overrides: list[str], attention: str, seq_l
     # One folder name for every rank: the ranks check that they were given the same config.
     out = Path(tempfile.gettempdir()) / "nsa-bench-train"
     return load_config(config, [
-        *overrides, f"model.attention={attention}", f"train.seq_len={seq_len}", f"train.batch_size={batch}",
+        *overrides, *model_overrides(attention), f"train.seq_len={seq_len}", f"train.batch_size={batch}",
         "data.source=synthetic", "data.tokenizer=byte", "data.val_fraction=0", "train.progress=false",
-        "train.sample_tokens=0", f"train.out_dir={out}", f"train.run_name={attention}-{seq_len}", "checkpoint.resume=none",
-        f"train.steps={steps}",
+        "train.sample_tokens=0", f"train.out_dir={out}", f"train.run_name={attention.replace(':', '-')}-{seq_len}",
+        "checkpoint.resume=none", f"train.steps={steps}",
     ])
 
 
@@ -140,15 +153,27 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
 
 
 def _with_ratios(rows: list[dict]) -> list[dict]:
-    """rows with each one's tokens/s over the dense row of its length (None until that one lands)."""
+    """rows with each one's tokens/s over every dense row of its length (None until that one lands): vs_dense
+    against SDPA's own choice, vs_dense_BACKEND against a pinned kernel."""
+    references = dict.fromkeys(r["attention"] for r in rows if r["attention"].startswith("dense"))
     for row in rows:
-        dense = next((r for r in rows if r["attention"] == "dense" and r["seq_len"] == row["seq_len"]), None)
-        row["vs_dense"] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
+        for ref in references:
+            dense = next((r for r in rows if r["attention"] == ref and r["seq_len"] == row["seq_len"]), None)
+            row[ratio_column(ref)] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
     return rows
+
+
+def table_columns(rows: list[dict]) -> list[str]:
+    """The summary table's columns: one ratio per dense reference in the run."""
+    ratios = [ratio_column(a) for a in dict.fromkeys(r["attention"] for r in rows) if a.startswith("dense")]
+    return ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "tokens_per_s", *(ratios or ["vs_dense"]),
+            "mfu", "peak_mem_gb", "step_ms", "health_ms", "health_cost"]
 
 
 def run(config: str | None, overrides: list[str], seq_lens: list[int], attentions: list[str], batch_tokens: int,
         steps: int, warmup: int, out_dir: str, profile: bool = False) -> list[dict]:
+    for a in attentions:
+        model_overrides(a)  # a bad label fails before any GPU work
     if not torch.cuda.is_available():
         raise UserError("nsa bench train needs a CUDA GPU")
     info = init_distributed("auto", 600.0, allow_single_process=True)
@@ -170,8 +195,7 @@ def run(config: str | None, overrides: list[str], seq_lens: list[int], attention
         _with_ratios(rows)
         if info.is_main:
             print(f"\n{meta['device']}  torch {meta['torch']}  ranks {info.world_size}")
-            print(format_table(rows, ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "tokens_per_s",
-                                      "vs_dense", "mfu", "peak_mem_gb", "step_ms", "health_ms", "health_cost"]))
+            print(format_table(rows, table_columns(rows)))
             paths += picture(rows, meta, Path(out_dir) / f"{name}.png")
             print("wrote " + ", ".join(map(str, paths)))
         finished = True

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..errors import ConfigError
 from ..ops import nsa_attention, select_blocks
 from .compression import BlockCompressor, compress_pair
 from .config import ModelConfig
@@ -121,12 +123,18 @@ class NSAAttention(nn.Module):
         return self.wo(o.reshape(b, t, self.n_heads * self.head_dim))
 
 
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+"""model.dense_backend -> the SDPA kernel it pins ('auto' pins none)."""
+
+
 class DenseAttention(nn.Module):
     """Causal grouped-query attention through PyTorch SDPA: the baseline NSA is measured against."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.backend = cfg.dense_backend
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wkv = nn.Linear(cfg.dim, 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
@@ -136,7 +144,32 @@ class DenseAttention(nn.Module):
         q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
         k, v = self.wkv(x).view(b, t, 2, self.n_kv_heads, self.head_dim).unbind(2)
         k = apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
+        o = dense_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.backend)
         return self.wo(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Causal grouped-query SDPA of [B, heads, T, D] tensors with the kernel model.dense_backend names."""
+    if backend == "auto":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    try:
+        with sdpa_kernel([SDPA_BACKENDS[backend]]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    except RuntimeError as e:
+        # CUDA's words, then the CPU's, for a pinned kernel that refuses the call.
+        if "No available kernel" not in str(e) and "No viable backend" not in str(e):
+            raise
+        raise ConfigError(
+            f"model.dense_backend={backend} has no SDPA kernel for this call ({q.device.type}, {q.dtype}, "
+            f"head dim {q.shape[-1]}); use model.dense_backend=auto"
+        ) from None
+
+
+def check_dense_backend(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ConfigError before anything compiles if model.dense_backend has no kernel for this model's attention
+    on `device` in `dtype` (inside a compiled step the refusal would surface as a compiler traceback)."""
+    if cfg.attention != "dense" or cfg.dense_backend == "auto":
+        return
+    q = torch.zeros(1, cfg.n_heads, 16, cfg.head_dim, device=device, dtype=dtype)
+    kv = torch.zeros(1, cfg.n_kv_heads, 16, cfg.head_dim, device=device, dtype=dtype)
+    dense_sdpa(q, kv, kv, cfg.dense_backend)

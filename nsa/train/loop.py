@@ -27,6 +27,7 @@ from ..data.loader import Data, build_data
 from ..data.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
 from ..errors import UserError
 from ..model import Transformer
+from ..model.attention import check_dense_backend
 from ..model.sampling import sample
 from ..telemetry import health
 from ..telemetry.gate_watch import GateWatch
@@ -138,6 +139,7 @@ class Trainer:
         self.data: Data = _agreed(info, lambda: build_data(
             cfg.data, self.tokenizer, t.seq_len, t.batch_size, t.eval_batches, t.seed, info.rank, info.world_size))
         self.data.train.pin_for(info.device)
+        check_dense_backend(cfg.model, info.device, torch.bfloat16 if self.bf16 else torch.float32)
         model = Transformer(cfg.model).to(info.device)
         self.n_params = model.num_parameters()
         self.model = apply_parallelism(model, cfg.parallel, info, self.mode, self.bf16)
