@@ -4,7 +4,7 @@ Each variant is nsa/ops/triton/selection.py with one source edit, written to a t
 timed on the same inputs (queued calls, GPU time). Variants that skip work give wrong indices; they
 only attribute time. Run on a GPU from the repository root:
 
-    python3 benchmarks/select_variants.py [SHAPE] [T]      (default: m7c 65536)
+    python3 benchmarks/select_variants.py [SHAPE] [T] [--batch B]      (default: m7c 65536 x 1)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "nsa/ops/triton/selection.py"
 COLUMNS = ["variant", "ms", "differs"]
 MERGE = "return _merge_top(best, tl.where(candidate, key, -1)), carry"
 TRANS = "trans = block_t * hp <= TUNING.select_transposed_max_rows"
+STAGES = "num_stages=1 if Dk > 128 else 2,"
 VARIANTS = {
     "as shipped": [],
     "scores untransposed": [(TRANS, "trans = False")],
@@ -32,6 +33,9 @@ VARIANTS = {
     "chunk sort, no merge": [(MERGE, "return tl.maximum(best, tl.sort(tl.where(candidate, key, -1))), carry")],
     "heads padded to a power of two (one set)": [("ha = 1 << (h.bit_length() - 1) if trans else hp", "ha = hp")],
     "no exp": [("tl.exp2(st)", "tl.maximum(st, 0.0)"), ("tl.exp2(s)", "tl.maximum(s, 0.0)")],
+    "registers capped at 168 (three programs an SM)": [(STAGES, STAGES + " maxnreg=168,")],
+    "registers capped at 128 (four programs an SM, spills)": [(STAGES, STAGES + " maxnreg=128,")],
+    "one stage (no prefetch of the next chunk's keys)": [(STAGES, "num_stages=1,")],
 }
 
 
@@ -43,9 +47,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shape", nargs="?", default="m7c", choices=sorted(SHAPES))
     ap.add_argument("T", nargs="?", type=int, default=65536)
+    ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
     H, G, Dk, Dv = SHAPES[args.shape]
-    q, kc, vc = (t.detach() for t in make_inputs(args.T, H, G, Dk, Dv)[:3])
+    q, kc, vc = (t.detach() for t in make_inputs(args.T, H, G, Dk, Dv, batch=args.batch)[:3])
     scale = Dk**-0.5
     l, d, lp, n = (HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel"))
     _, lse = range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, HP["window"])
@@ -59,7 +64,7 @@ def main() -> None:
             differ = (idx != shipped).any(-1).float().mean().item()  # share of (token, group) choosing otherwise
             rows.append({"variant": name, "ms": time_cuda(select, queued=True), "differs": differ})
             print_row(rows[-1], COLUMNS)
-    print(f"\n{args.shape} T={args.T} ({torch.cuda.get_device_name()})\n" + format_table(rows, COLUMNS))
+    print(f"\n{args.shape} T={args.T} x {args.batch} ({torch.cuda.get_device_name()})\n" + format_table(rows, COLUMNS))
 
 
 if __name__ == "__main__":
