@@ -1,6 +1,7 @@
 """Cached decoding (nsa.inference): decode equals the full forward, the compressed stream, reads,
 the selection, generation, and `nsa generate` from a trained checkpoint."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -437,3 +438,20 @@ def test_decoding_from_an_empty_cache_without_prefill_equals_the_full_forward():
     with torch.no_grad():
         torch.testing.assert_close(got, model(tokens), rtol=1e-10, atol=1e-10)
     assert cache.layers[0].n_cmp.tolist() == [(20 - 8) // 4 + 1] * 2
+
+
+def test_a_checkpoint_trained_with_a_pinned_dense_kernel_generates_where_that_kernel_is_missing(tmp_path):
+    """model.dense_backend is the training machine's choice (e.g. cudnn on an H100): loading the checkpoint for
+    inference on a CPU, which has no cuDNN attention, must still work, with SDPA's own choice."""
+    from nsa.train import checkpoint
+
+    train(load_config(None, FAST + [f"train.out_dir={tmp_path}", "train.run_name=d", "model.attention=dense",
+                                    "model.dense_backend=flash", "train.steps=2"]))
+    path = checkpoint.resolve(tmp_path / "d")
+    meta_file = path / checkpoint.COMPLETE
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["model"]["dense_backend"] = "cudnn"
+    meta_file.write_text(json.dumps(meta))
+    loaded = load_for_inference(tmp_path / "d", "cpu")
+    assert loaded.model.layers[0].attn.backend == "auto"
+    assert torch.isfinite(loaded.model(torch.arange(10)[None])).all()

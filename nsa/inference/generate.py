@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,7 +56,8 @@ def load_for_inference(checkpoint_path: str | Path, device: str | torch.device =
     device = resolve_device(device) if isinstance(device, str) else device
     path = checkpoint.resolve(checkpoint_path)
     config = checkpoint.read_meta(path)["config"]
-    model = Transformer(from_dict(ModelConfig, config["model"]))
+    # A pinned dense kernel is the training machine's choice, not the model's: it may not exist where this runs.
+    model = Transformer(dataclasses.replace(from_dict(ModelConfig, config["model"]), dense_backend="auto"))
     checkpoint.load_model_weights(path, model)
     tokenizer = get_tokenizer(config["data"]["tokenizer"], config["data"].get("tokenizer_path", ""))
     return LoadedModel(model.to(device).eval(), tokenizer, config, path)
