@@ -67,6 +67,11 @@ def decode_series(rows: list[dict]) -> dict[str, Series]:
     return panels
 
 
+def dense_references(rows: list[dict]) -> list[str]:
+    """`nsa bench train`'s dense rows' labels, in order of appearance: 'dense', 'dense:flash', ..."""
+    return list(dict.fromkeys(r["attention"] for r in rows if r["attention"].startswith("dense")))
+
+
 def ratio_column(reference: str) -> str:
     """`nsa bench train`'s column of tokens/s over a dense row: vs_dense for 'dense', vs_dense_flash for
     'dense:flash'."""
@@ -83,7 +88,7 @@ def train_series(rows: list[dict]) -> dict[str, Series]:
     for r in rows:
         groups.setdefault(label(r), []).append(r)
     panels = {"tokens/s": {k: _points(v, "seq_len", "tokens_per_s") for k, v in groups.items()}}
-    references = dict.fromkeys(r["attention"] for r in rows if r["attention"].startswith("dense")) or {"dense": None}
+    references = dense_references(rows) or ["dense"]
     ratios = {f"{k} / {ref}": _points(v, "seq_len", ratio_column(ref))
               for k, v in groups.items() if not k.startswith("dense") for ref in references}
     ratios = {k: v for k, v in ratios.items() if v}

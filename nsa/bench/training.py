@@ -21,7 +21,7 @@ from ..model.attention import SDPA_BACKENDS
 from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
 from ..train.loop import Trainer
 from .common import environment, format_table, print_row, profile_to_file, write_results
-from .plot import picture, ratio_column
+from .plot import dense_references, picture, ratio_column
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 datasheet peaks used for MFU (override with --peak-tflops)."""
@@ -155,9 +155,8 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
 def _with_ratios(rows: list[dict]) -> list[dict]:
     """rows with each one's tokens/s over every dense row of its length (None until that one lands): vs_dense
     against SDPA's own choice, vs_dense_BACKEND against a pinned kernel."""
-    references = dict.fromkeys(r["attention"] for r in rows if r["attention"].startswith("dense"))
     for row in rows:
-        for ref in references:
+        for ref in dense_references(rows):
             dense = next((r for r in rows if r["attention"] == ref and r["seq_len"] == row["seq_len"]), None)
             row[ratio_column(ref)] = row["tokens_per_s"] / dense["tokens_per_s"] if dense else None
     return rows
@@ -165,7 +164,7 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
 
 def table_columns(rows: list[dict]) -> list[str]:
     """The summary table's columns: one ratio per dense reference in the run."""
-    ratios = [ratio_column(a) for a in dict.fromkeys(r["attention"] for r in rows) if a.startswith("dense")]
+    ratios = [ratio_column(ref) for ref in dense_references(rows)]
     return ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "tokens_per_s", *(ratios or ["vs_dense"]),
             "mfu", "peak_mem_gb", "step_ms", "health_ms", "health_cost"]
 
