@@ -121,8 +121,10 @@ train_run() {  # NAME LIMIT_S CONFIG OVERRIDES...
     return
   fi
   echo "== train $name (at most ${limit}s)"
+  # Eager unless `--` says otherwise, as every run of this script so far: its time limits were set for eager steps,
+  # and the retrieval stages' many lengths would each compile and record graphs.
   timeout -s INT -k 60 "$limit" python3 -m nsa train "$config" train.out_dir="$work" train.run_name="$name" "$@" \
-    "${extra[@]}"
+    parallel.compile=false "${extra[@]}"
   rc=$?
   case $rc in
     0) echo "== $name: finished in $((SECONDS - start))s" ;;

@@ -128,8 +128,8 @@ def test_deterministic_runs_repeat_and_resume_bit_for_bit(tmp_path, device):
         (["train", "missing.yaml"], "nsa: error: config file 'missing.yaml' not found"),
         (["train", "nosuchpreset"], "nsa: error: config 'nosuchpreset' not found"),
         (["train", "data.source=text", "data.path=/no/such/dir"], "nsa: error: data.path '/no/such/dir' does not exist"),
-        (["train", "parallel.cudagraphs=true"], "nsa: error: parallel.cudagraphs=true replays compiled blocks: add "
-                                                "parallel.compile=true"),
+        (["train", "parallel.cudagraphs=true", "parallel.compile=false"],
+         "nsa: error: parallel.cudagraphs=true replays compiled blocks: add parallel.compile=true"),
         (["train", "train.device=cuda:0"] if not torch.cuda.is_available() else ["train", "train.device=tpu"], "nsa: error: train.device="),
         # The CPU has no cuDNN attention: refused before anything compiles, naming the key.
         (["train", "model.attention=dense", "model.dense_backend=cudnn", "train.device=cpu", "parallel.compile=true"],
@@ -207,7 +207,7 @@ def test_cuda_graphs_refuse_what_they_cannot_replay(compile_, mode, device, mess
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["parallel.cudagraphs=true"], "add parallel.compile=true"),
+    (["parallel.cudagraphs=true", "parallel.compile=false"], "add parallel.compile=true"),
     (["parallel.cudagraphs=true", "parallel.compile=true", "parallel.mode=fsdp"], "drop it under parallel.mode=fsdp"),
 ])
 def test_cuda_graph_settings_fail_at_load_before_any_launch_check(overrides, message):
@@ -218,6 +218,44 @@ def test_cuda_graph_settings_fail_at_load_before_any_launch_check(overrides, mes
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
     load_config(None, ["parallel.cudagraphs=true", "parallel.compile=true", "parallel.mode=ddp"])
+
+
+@pytest.mark.parametrize("compile_,cudagraphs,mode,device,want", [
+    # 'auto' compiles on a GPU only, and replays graphs wherever they can run: not on a CPU, not under FSDP2.
+    ("auto", "auto", "single", "cuda", (True, True)),
+    ("auto", "auto", "ddp", "cuda", (True, True)),
+    ("auto", "auto", "fsdp", "cuda", (True, False)),
+    ("auto", "auto", "single", "cpu", (False, False)),
+    (False, "auto", "single", "cuda", (False, False)),
+    ("auto", False, "ddp", "cuda", (True, False)),
+    (True, "auto", "single", "cpu", (True, False)),
+    # Explicit settings are kept as asked (check_cudagraphs then refuses what cannot run).
+    ("auto", True, "fsdp", "cuda", (True, True)),
+    ("auto", True, "single", "cpu", (False, True)),
+])
+def test_auto_compile_and_cuda_graphs_resolve_per_device_and_mode(compile_, cudagraphs, mode, device, want):
+    from nsa.train.config import ParallelConfig
+
+    cfg = ParallelConfig(compile=compile_, cudagraphs=cudagraphs).resolved(mode, device)
+    assert (cfg.compile, cfg.cudagraphs) == want
+
+
+def test_the_defaults_compile_and_replay_on_a_gpu_and_run_eager_on_a_cpu(monkeypatch, tmp_path, capsys):
+    """What a bare `nsa train` does: the CPU run stays eager (its banner says so) and its config.yaml keeps 'auto'
+    (so a GPU run's config still trains on a CPU); the same config on a GPU resolves to compiled graphs."""
+    from nsa.train.loop import step_kind
+
+    cfg = load_config(None, FAST + [f"train.out_dir={tmp_path}", "train.run_name=auto", "train.steps=1",
+                                    "train.sample_tokens=0"])
+    assert (cfg.parallel.compile, cfg.parallel.cudagraphs) == ("auto", "auto")
+    assert step_kind(cfg.parallel.resolved("single", "cuda")) == "graphs"
+    assert step_kind(cfg.parallel.resolved("fsdp", "cuda")) == "compiled"
+    if torch.cuda.is_available():
+        return
+    train(cfg)
+    assert ", cpu, eager" in capsys.readouterr().out
+    saved = yaml.safe_load(open(tmp_path / "auto" / "config.yaml"))
+    assert saved["parallel"]["compile"] == saved["parallel"]["cudagraphs"] == "auto"
 
 
 def test_uncompiled_runs_compiled_modules_eagerly_and_then_restores_them():
@@ -265,7 +303,7 @@ def test_cuda_graph_steps_give_the_compiled_steps_losses(tmp_path, attention, ch
                      "parallel.compile=true", "parallel.allow_single_process=true", f"model.attention={attention}",
                      f"parallel.activation_checkpointing={str(checkpointing).lower()}"]
     graphed = train(load_config(None, common + ["train.run_name=g", "parallel.cudagraphs=true"]))
-    plain = train(load_config(None, common + ["train.run_name=p"]))
+    plain = train(load_config(None, common + ["train.run_name=p", "parallel.cudagraphs=false"]))
     assert graphed.losses.keys() == plain.losses.keys() == set(range(1, 7))
     for step in plain.losses:
         assert graphed.losses[step] == pytest.approx(plain.losses[step], rel=2e-3), step

@@ -19,7 +19,7 @@ from ..config import load_config
 from ..errors import UserError
 from ..model.attention import SDPA_BACKENDS
 from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
-from ..train.loop import Trainer
+from ..train.loop import Trainer, step_kind
 from .common import environment, format_table, print_row, profile_to_file, write_results
 from .plot import dense_references, picture, ratio_column
 
@@ -143,7 +143,7 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
     tok_s = trainer.tokens_per_step / step_s
     flops = flops_per_token(trainer.cfg, trainer.n_params, seq_len)
     row = {"attention": attention, "seq_len": seq_len, "batch_per_rank": batch, "ranks": info.world_size,
-           "mode": trainer.mode, "tokens_per_s": tok_s,
+           "mode": trainer.mode, "step": step_kind(trainer.parallel), "tokens_per_s": tok_s,
            "mfu": tok_s * flops / (info.world_size * _peak_tflops(None) * 1e12), "peak_mem_gb": peak_gb,
            "step_ms": step_s * 1e3, "health_ms": health_ms,
            "health_cost": health_ms / (trainer.cfg.telemetry.health_every * step_s * 1e3) if health_ms else None}
@@ -165,7 +165,7 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
 def table_columns(rows: list[dict]) -> list[str]:
     """The summary table's columns: one ratio per dense reference in the run."""
     ratios = [ratio_column(ref) for ref in dense_references(rows)]
-    return ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "tokens_per_s", *(ratios or ["vs_dense"]),
+    return ["attention", "seq_len", "batch_per_rank", "ranks", "mode", "step", "tokens_per_s", *(ratios or ["vs_dense"]),
             "mfu", "peak_mem_gb", "step_ms", "health_ms", "health_cost"]
 
 

@@ -35,6 +35,7 @@ from ..telemetry.run_log import RunLog
 from ..telemetry.watchdog import Watchdog
 from ..typed_config import to_dict
 from . import checkpoint
+from .config import ParallelConfig
 from .distributed import DistInfo, all_reduce_mean, any_rank, check_same_config, init_distributed, shutdown
 from .optim import build_optimizer, build_scheduler
 from .parallel import apply_parallelism, gradient_sync, resolve_mode, uncompiled, unwrap
@@ -77,6 +78,16 @@ def autocast_context(precision: str, device: torch.device):
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+STEP_KINDS = {"eager": "eager", "compiled": "compiled", "graphs": "compiled, replayed as CUDA graphs"}
+
+
+def step_kind(parallel: ParallelConfig) -> str:
+    """How a resolved config runs each step: 'eager', 'compiled' or 'graphs' (compiled and replayed)."""
+    if not parallel.compile:
+        return "eager"
+    return "graphs" if parallel.cudagraphs else "compiled"
 
 
 def _run_dir(cfg: RunConfig, info: DistInfo) -> Path:
@@ -127,6 +138,9 @@ class Trainer:
         self.info = info
         t = cfg.train
         self.mode = resolve_mode(cfg.parallel, info)
+        # What 'auto' became here; self.cfg (and the run's config.yaml) keep what was asked for, so a GPU run's
+        # config still trains on a CPU.
+        self.parallel = cfg.parallel.resolved(self.mode, info.device.type)
         self.bf16 = t.precision == "bf16" or (t.precision == "auto" and info.device.type == "cuda")
         if info.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -142,7 +156,7 @@ class Trainer:
         check_dense_backend(cfg.model, info.device, torch.bfloat16 if self.bf16 else torch.float32)
         model = Transformer(cfg.model).to(info.device)
         self.n_params = model.num_parameters()
-        self.model = apply_parallelism(model, cfg.parallel, info, self.mode, self.bf16)
+        self.model = apply_parallelism(model, self.parallel, info, self.mode, self.bf16)
         self.optimizer = build_optimizer(self.model, t, info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.run_dir = _run_dir(cfg, info)
@@ -200,7 +214,7 @@ class Trainer:
     def _new_graph_step(self) -> None:
         """Under parallel.cudagraphs, tell the graph trees that the outputs of earlier replays are no longer read,
         so their memory may be reused."""
-        if self.cfg.parallel.cudagraphs:
+        if self.parallel.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,7 +336,7 @@ class Trainer:
         now = time.perf_counter()
         seconds = max(now - window[0], 1e-9)
         tok_s = (step - window[1]) * self.tokens_per_step / seconds
-        mem_gb = peak_memory_gb(info.device, self.cfg.parallel.cudagraphs) if info.device.type == "cuda" else None
+        mem_gb = peak_memory_gb(info.device, self.parallel.cudagraphs) if info.device.type == "cuda" else None
         data_wait, self.data_wait_s = min(1.0, self.data_wait_s / seconds), 0.0
         row = {"step": step, "tokens": step * self.tokens_per_step, "loss": loss_value, "val_loss": None,
                "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm.item(), "tokens_per_s": tok_s,
@@ -402,7 +416,7 @@ class Trainer:
         self._print(
             f"nsa train: {cfg.model.attention} model, {self.n_params / 1e6:.2f}M parameters, {cfg.model.n_layers} "
             f"layers, dim {cfg.model.dim}, {cfg.model.n_heads}/{cfg.model.n_kv_heads} heads; {self.mode} on "
-            f"{info.world_size} process(es), {info.device.type}"
+            f"{info.world_size} process(es), {info.device.type}, {STEP_KINDS[step_kind(self.parallel)]}"
         )
         self._print(f"data: {self.data.description}; {self.tokens_per_step:,} tokens per step")
         self._print(f"run dir: {self.run_dir}" + (f" (resumed from {resumed})" if resumed else ""))
