@@ -174,10 +174,11 @@ def test_lr_schedule_warms_up_linearly_then_follows_a_cosine_to_the_floor():
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
 
 
-def test_training_with_torch_compile_and_activation_checkpointing(tmp_path):
+def test_training_with_torch_compile_and_activation_checkpointing(tmp_path, capsys):
     result = train(load_config(None, FAST + [f"train.out_dir={tmp_path}", "train.steps=3", "train.log_every=1",
                                              "train.sample_tokens=0", "parallel.compile=true",
                                              "parallel.activation_checkpointing=true", "model.attention=dense"]))
+    assert "the first steps compile the blocks:" in capsys.readouterr().out  # the wait before step 1 is announced
     plain = train(load_config(None, FAST + [f"train.out_dir={tmp_path}", "train.steps=3", "train.log_every=1",
                                             "train.sample_tokens=0", "model.attention=dense"]))
     for step in plain.losses:

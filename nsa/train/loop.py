@@ -420,6 +420,9 @@ class Trainer:
         )
         self._print(f"data: {self.data.description}; {self.tokens_per_step:,} tokens per step")
         self._print(f"run dir: {self.run_dir}" + (f" (resumed from {resumed})" if resumed else ""))
+        if self.parallel.compile:  # otherwise a silent minute before the first step looks like a hang
+            what = "compile the blocks and record their CUDA graphs" if self.parallel.cudagraphs else "compile the blocks"
+            self._print(f"the first steps {what}: a minute or two on M7C")
 
     def _evaluate_and_log(self, step: int, bar: tqdm) -> float | None:
         val_loss = self.evaluate()
