@@ -40,8 +40,7 @@ def check_cudagraphs(cfg: ParallelConfig, mode: str, device: torch.device) -> No
 
 def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mode: str, bf16: bool) -> nn.Module:
     """Wrap blocks for recomputation and compilation (the loss is compiled too), then replicate (DDP) or shard
-    (FSDP2) the model."""
-    cfg = cfg.resolved(mode, info.device.type)
+    (FSDP2) the model. `cfg` is resolved (ParallelConfig.resolved: no 'auto' left)."""
     check_cudagraphs(cfg, mode, info.device)
     layers = model.layers
     options = {**INDUCTOR_OPTIONS, "triton.cudagraphs": cfg.cudagraphs}
