@@ -40,7 +40,9 @@ def check_cudagraphs(cfg: ParallelConfig, mode: str, device: torch.device) -> No
 
 def apply_parallelism(model: nn.Module, cfg: ParallelConfig, info: DistInfo, mode: str, bf16: bool) -> nn.Module:
     """Wrap blocks for recomputation and compilation (the loss is compiled too), then replicate (DDP) or shard
-    (FSDP2) the model. `cfg` is resolved (ParallelConfig.resolved: no 'auto' left)."""
+    (FSDP2) the model. 'auto' settings are decided here for `mode` and the device (ParallelConfig.resolved; a
+    no-op on a config the Trainer already resolved), so no caller can hand the string 'auto' to Inductor."""
+    cfg = cfg.resolved(mode, info.device.type)
     check_cudagraphs(cfg, mode, info.device)
     layers = model.layers
     options = {**INDUCTOR_OPTIONS, "triton.cudagraphs": cfg.cudagraphs}
