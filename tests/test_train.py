@@ -257,6 +257,18 @@ def test_the_defaults_compile_and_replay_on_a_gpu_and_run_eager_on_a_cpu(monkeyp
     assert saved["parallel"]["compile"] == saved["parallel"]["cudagraphs"] == "auto"
 
 
+@pytest.mark.parametrize("mode, device, noted", [("fsdp", "cuda", True), ("ddp", "cuda", False),
+                                                 ("single", "cuda", False), ("fsdp", "cpu", False)])
+def test_the_banner_notes_that_fsdp2_on_a_gpu_replays_no_graphs(mode, device, noted):
+    """FSDP2 at few sequences per GPU is paced by the host (no graphs): the banner says so and names DDP."""
+    from nsa.train.loop import fsdp_pace_note
+
+    note = fsdp_pace_note(mode, device)
+    assert (note is not None) == noted
+    if noted:
+        assert "parallel.mode=ddp" in note and "\n" not in note
+
+
 def test_uncompiled_runs_compiled_modules_eagerly_and_then_restores_them():
     from nsa.train.parallel import uncompiled
 

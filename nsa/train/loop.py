@@ -90,6 +90,15 @@ def step_kind(parallel: ParallelConfig) -> str:
     return "graphs" if parallel.cudagraphs else "compiled"
 
 
+def fsdp_pace_note(mode: str, device_type: str) -> str | None:
+    """The banner's note for FSDP2 on a GPU, whose steps replay no CUDA graphs (ParallelConfig.check_cudagraphs):
+    at M7C's 8 x 2048 a GPU two GPUs under FSDP2 trained at half one GPU's graphed rate (benchmarks/RESULTS.md)."""
+    if mode != "fsdp" or device_type != "cuda":
+        return None
+    return ("note: FSDP2 replays no CUDA graphs, so with few sequences per GPU the host sets the pace; a model that "
+            "fits on one GPU trains faster under DDP (parallel.mode=ddp), which replays them")
+
+
 def _run_dir(cfg: RunConfig, info: DistInfo) -> Path:
     """The run folder, named on rank 0 and shared with the others."""
     name = cfg.train.run_name or f"{cfg.model.attention}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -423,6 +432,8 @@ class Trainer:
         if self.parallel.compile:  # otherwise a silent minute before the first step looks like a hang
             what = "compile the blocks and record their CUDA graphs" if self.parallel.cudagraphs else "compile the blocks"
             self._print(f"the first steps {what}: a minute or two on M7C")
+        if note := fsdp_pace_note(self.mode, info.device.type):
+            self._print(note)
 
     def _evaluate_and_log(self, step: int, bar: tqdm) -> float | None:
         val_loss = self.evaluate()
