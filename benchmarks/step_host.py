@@ -46,7 +46,6 @@ def _idle_host_ms(step, reps: int) -> tuple[float, float]:
 def _syncs(step) -> Counter:
     """The Python places (innermost frames outside torch) of the operations that waited for the GPU in one step."""
     places: Counter = Counter()
-    shown = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "prototype feature" in str(message):  # the debug mode's own notice, not a wait
@@ -57,18 +56,14 @@ def _syncs(step) -> Counter:
         places[f"{str(message).splitlines()[0][:60]} @ {where}"] += 1
 
     torch.cuda.synchronize()
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-    finally:
-        warnings.showwarning = shown
+    with warnings.catch_warnings():  # restores showwarning and the filters on the way out
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return places
 

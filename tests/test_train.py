@@ -251,8 +251,11 @@ def test_the_defaults_compile_and_replay_on_a_gpu_and_run_eager_on_a_cpu(monkeyp
     assert (cfg.parallel.compile, cfg.parallel.cudagraphs) == ("auto", "auto")
     assert step_kind(cfg.parallel.resolved("single", "cuda")) == "graphs"
     assert step_kind(cfg.parallel.resolved("fsdp", "cuda")) == "compiled"
+    # The banner asks for the FSDP2 note with the run's mode and device (the note itself: the test below).
+    monkeypatch.setattr("nsa.train.loop.fsdp_pace_note", lambda mode, device: f"pace note for {mode} on {device}")
     train(cfg)
-    assert ", cpu, eager" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ", cpu, eager" in out and "pace note for single on cpu" in out
     saved = yaml.safe_load(open(tmp_path / "auto" / "config.yaml"))
     assert saved["parallel"]["compile"] == saved["parallel"]["cudagraphs"] == "auto"
 
