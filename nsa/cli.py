@@ -7,7 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import UserError
+from .console import pipe_safe_output
+from .errors import Interrupted, UserError
+from .storage import os_error_message
 
 EVAL_LENGTHS = "4096,8192,16384,32768,65536"
 EVAL_DEPTHS = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1"
@@ -118,13 +120,14 @@ def _cmd_config(ns: argparse.Namespace) -> int:
     import yaml
 
     from .config import load_config
+    from .train.resume_rules import RULE_DOCS, resume_rule
     from .typed_config import describe_fields, to_dict
 
     path, overrides = _split_config_args(ns.args)
     cfg = load_config(path, overrides)
     if ns.docs:
         for key, value, doc in describe_fields(cfg):
-            print(f"{key} = {value!r}\n    {doc}")
+            print(f"{key} = {value!r}\n    {doc}\n    [{RULE_DOCS[resume_rule(key)]}]")
     else:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     return 0
@@ -371,14 +374,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = parse_args(argv)
-    try:
-        return ns.func(ns)
-    except UserError as e:
-        print(f"nsa: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    with pipe_safe_output():
+        ns = parse_args(argv)
+        try:
+            return ns.func(ns)
+        except Interrupted as e:
+            if e.show:
+                print(f"nsa: {e}", file=sys.stderr)
+            return e.exit_code
+        except UserError as e:
+            print(f"nsa: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        except OSError as e:
+            if (message := os_error_message(e)) is None:
+                raise
+            print(f"nsa: error: {message}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -7,3 +7,12 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """An invalid configuration key or value."""
+
+
+class Interrupted(UserError):
+    """The run stopped on a signal after saving a checkpoint: the CLI prints the message (on the rank that
+    should) and exits with `exit_code`, the shell's 128 + signal number."""
+
+    def __init__(self, message: str, exit_code: int, show: bool = True):
+        super().__init__(message)
+        self.exit_code, self.show = exit_code, show

@@ -65,7 +65,9 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_as_the_latest(t
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint.dcp, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
+    latest = ckpts / "step_00000004"
+    with pytest.raises(UserError, match=rf"could not write {ckpts / 'step_00000002'}: OSError: disk full; the latest "
+                                        rf"complete checkpoint, {latest}, is intact"):
         train(load_config(None, FAST + [f"train.out_dir={tmp_path}", "train.run_name=r", "train.steps=6",
                                         "checkpoint.every=2", "train.sample_tokens=0", "checkpoint.resume=none"]))
     assert checkpoint.latest(tmp_path / "r").name == "step_00000004"

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..storage import DamagedFile
 
 MAGIC = b"NSATOKS1"
 HEADER = struct.Struct("<8sIIQII")
@@ -45,6 +46,10 @@ def read_shard(path: Path) -> tuple[np.ndarray, dict]:
     if version != VERSION or itemsize not in (2, 4):
         raise UserError(f"'{path}' has shard version {version} / {itemsize}-byte tokens; re-run `nsa prepare`")
     dtype = np.uint16 if itemsize == 2 else np.uint32
+    held = (path.stat().st_size - HEADER.size) // itemsize
+    if held < n_tokens:
+        raise DamagedFile(f"shard '{path}' is damaged: it holds {held:,} tokens where its header records "
+                          f"{n_tokens:,}; re-run `nsa prepare` to write the shards again")
     tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER.size, shape=(n_tokens,))
     return tokens, {"eot_id": eot_id, "vocab_size": vocab_size, "n_tokens": n_tokens}
 
@@ -107,7 +112,13 @@ def load_meta(folder: str) -> dict:
     meta = Path(folder) / "meta.json"
     if not meta.is_file():
         raise UserError(f"'{folder}' has no meta.json: point data.path at a folder written by `nsa prepare`")
-    return json.loads(meta.read_text())
+    try:
+        data = json.loads(meta.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedFile(f"'{meta}' is damaged ({e}); re-run `nsa prepare` to write the shards again") from None
+    if not isinstance(data, dict) or "tokenizer" not in data:
+        raise DamagedFile(f"'{meta}' does not describe token shards; re-run `nsa prepare` to write them again")
+    return data
 
 
 def write_meta(folder: Path, meta: dict) -> None:

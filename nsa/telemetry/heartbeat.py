@@ -27,10 +27,10 @@ class Heartbeat:
         record.update({k: v for k, v in fields.items() if v is not None})
         self.last_event = record
         line = json.dumps(record, default=_plain) + "\n"
-        self._writer.submit(lambda: (self._file.write(line), self._file.flush()))
+        self._writer.submit(lambda: (self._file.write(line), self._file.flush()), self.path)
 
     def close(self) -> None:
-        self._writer.submit(self._file.close)
+        self._writer.submit(self._file.close, self.path)
         if self._own_writer:
             self._writer.close()
 

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
 
 class MetricsCSV:
-    def __init__(self, path: Path, fields: list[str]):
+    """metrics.csv, started with `rows` (those kept from before a resume): they are written to a new file that
+    then replaces the old one, so a failed rewrite (e.g. a full disk) loses nothing."""
+
+    def __init__(self, path: Path, fields: list[str], rows: list[dict] = ()):
         self.fields = fields
-        self._file = open(path, "w", newline="", encoding="utf-8")
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
+        self._file = open(path, "a", newline="", encoding="utf-8")
         self._writer = csv.DictWriter(self._file, fieldnames=fields, extrasaction="raise")
-        self._writer.writeheader()
-        self._file.flush()
 
     def write(self, row: dict) -> None:
         self._writer.writerow({k: _fmt(row.get(k)) for k in self.fields})

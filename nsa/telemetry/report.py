@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 import yaml
 
 from ..errors import UserError
+from ..storage import DamagedFile
 
 BRANCHES = ("compressed", "selected", "window")
 BRANCH_COLORS = ("tab:blue", "tab:orange", "tab:green")
@@ -86,28 +88,44 @@ def _number(cell: str | None) -> float | None:
 
 
 def read_metrics(path: Path) -> list[dict[str, float | None]]:
-    """metrics.csv as numeric rows in step order; empty cells and missing columns read as None."""
-    rows = []
-    for raw in csv.DictReader(_complete_lines(path)):
+    """metrics.csv as numeric rows in step order; empty cells and missing columns read as None. Rows without a
+    step are skipped with one warning; a file without a 'step' column is damaged."""
+    reader = csv.DictReader(_complete_lines(path))
+    if "step" not in (reader.fieldnames or []):
+        raise DamagedFile(f"'{path}' is damaged: it has no 'step' column (a metrics.csv written by `nsa train` "
+                          "starts with a header row); restore it, or resume the run to write it again")
+    rows, skipped = [], 0
+    for raw in reader:
         row = {key: _number(value) for key, value in raw.items() if isinstance(key, str)}
         if row.get("step") is not None:
             rows.append(row)
+        else:
+            skipped += 1
+    _warn_skipped(path, skipped)
     return _last_per_step(rows)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a .jsonl file; unparseable lines (a half-written last one) are skipped."""
+    """The JSON objects of a .jsonl file. A half-written last line (a run still writing, or killed) is skipped
+    quietly; other unreadable lines are skipped with one warning."""
     if not path.is_file():
         return []
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    records, skipped = [], 0
+    for line in _complete_lines(path):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
+            skipped += 1
             continue
         if isinstance(record, dict):
             records.append(record)
+    _warn_skipped(path, skipped)
     return records
+
+
+def _warn_skipped(path: Path, skipped: int) -> None:
+    if skipped:
+        print(f"warning: {path}: skipped {skipped} unreadable line{'s' if skipped > 1 else ''}", file=sys.stderr)
 
 
 def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:

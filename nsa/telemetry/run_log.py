@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 from .async_writer import AsyncWriter
@@ -49,7 +50,7 @@ class RunLog:
         """A logging step: the global row (rank 0 files) and this rank's own numbers (heartbeat)."""
         self.heartbeat.event("step", row["step"], loss=row["loss"], **local)
         if self.metrics:
-            self.writer.submit(lambda: self.metrics.write(row))
+            self.writer.submit(lambda: self.metrics.write(row), self.run_dir / "metrics.csv")
         if self.tb:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mem_gb", "data_wait"):
                 if row.get(key) is not None:
@@ -63,13 +64,18 @@ class RunLog:
     def health(self, step: int, record: dict) -> None:
         if self.stats:
             line = json.dumps({"step": step, **record}) + "\n"
-            self.writer.submit(lambda: (self.stats.write(line), self.stats.flush()))
+            self.writer.submit(lambda: (self.stats.write(line), self.stats.flush()), self.run_dir / "nsa_stats.jsonl")
         if self.tb:
             for layer in record["layers"]:
                 i = layer["layer"]
                 for branch, g in zip(("cmp", "sel", "win"), layer["gate_mean"]):
                     self.tb.add_scalar(f"gates/layer{i}_{branch}", g, step)
                 self.tb.add_scalar(f"selection/layer{i}_distance", layer["sel_distance_mean"], step)
+
+    @property
+    def failure(self) -> tuple[Path | str, OSError] | None:
+        """(the file, the error) of the first run-file write that failed on this rank, or None."""
+        return self.writer.failure
 
     def close(self) -> None:
         """Write everything still queued and close the files (safe to call twice)."""
@@ -85,24 +91,23 @@ class RunLog:
 def _continue_csv(path: Path, resumed_step: int) -> MetricsCSV:
     kept = []
     if resumed_step > 0 and path.exists():
-        with open(path, newline="", encoding="utf-8") as f:
-            kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= resumed_step]
-    metrics = MetricsCSV(path, METRIC_FIELDS)
-    for row in kept:
-        metrics.write(row)
-    return metrics
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            kept = [r for r in csv.DictReader(f) if (r.get("step") or "").isdigit() and int(r["step"]) <= resumed_step]
+    return MetricsCSV(path, METRIC_FIELDS, kept)
 
 
 def _continue_jsonl(path: Path, resumed_step: int):
+    """nsa_stats.jsonl with the records up to resumed_step kept (rewritten through a new file, so a failed
+    rewrite loses nothing), open for appending."""
     kept = []
     if resumed_step > 0 and path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 if json.loads(line)["step"] <= resumed_step:
                     kept.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-    f = open(path, "w", encoding="utf-8")
-    f.writelines(line + "\n" for line in kept)
-    f.flush()
-    return f
+                continue  # a line cut short by a crash
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return open(path, "a", encoding="utf-8")

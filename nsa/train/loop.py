@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from ..config import RunConfig
 from ..data.loader import Data, build_data
 from ..data.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
-from ..errors import UserError
+from ..errors import Interrupted, UserError
 from ..model import Transformer
 from ..model.attention import check_dense_backend
 from ..model.sampling import sample
@@ -33,12 +34,16 @@ from ..telemetry import health
 from ..telemetry.gate_watch import GateWatch
 from ..telemetry.run_log import RunLog
 from ..telemetry.watchdog import Watchdog
+from ..storage import write_error
 from ..typed_config import to_dict
 from . import checkpoint
 from .config import ParallelConfig
 from .distributed import DistInfo, all_reduce_mean, any_rank, check_same_config, init_distributed, shutdown
-from .optim import build_optimizer, build_scheduler
+from .optim import apply_hyperparameters, build_optimizer, build_scheduler
 from .parallel import apply_parallelism, gradient_sync, resolve_mode, uncompiled, unwrap
+from .resume_rules import config_changes, describe, split_changes
+from .run_folder import RunFolder, claim_run_folder, discard_unused
+from .signals import StopSignals, exit_code
 from .stop import StopDecision, StopRequests
 
 
@@ -99,24 +104,19 @@ def fsdp_pace_note(mode: str, device_type: str) -> str | None:
             "fits on one GPU trains faster under DDP (parallel.mode=ddp), which replays them")
 
 
-def _run_dir(cfg: RunConfig, info: DistInfo) -> Path:
-    """The run folder, named on rank 0 and shared with the others."""
-    name = cfg.train.run_name or f"{cfg.model.attention}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not cfg.train.run_name:
-        base, suffix = name, 1
-        while (Path(cfg.train.out_dir) / name).exists():
-            suffix += 1
-            name = f"{base}-{suffix}"
+def open_run_folder(cfg: RunConfig, info: DistInfo) -> RunFolder:
+    """The run folder, claimed by rank 0 (named, created and locked for this launch) and shared with the others;
+    if rank 0 cannot claim it, every rank stops with its message."""
+    default = f"{cfg.model.attention}-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = _agreed(info, lambda: claim_run_folder(Path(cfg.train.out_dir), cfg.train.run_name, default)
+                     if info.is_main else None)
     if info.distributed:
-        shared = [name]
+        shared = [str(folder.path) if folder else None]
         dist.broadcast_object_list(shared, src=0)
-        name = shared[0]
-    run_dir = Path(cfg.train.out_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)  # every rank: each writes its own files here at once
-    if info.is_main:
-        with open(run_dir / "config.yaml", "w", encoding="utf-8") as f:
-            yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
-    return run_dir
+        if folder is None:
+            folder = RunFolder(Path(shared[0]), created=False)
+    folder.path.mkdir(parents=True, exist_ok=True)  # every rank writes its own files here (one host or several)
+    return folder
 
 
 def _agreed(info: DistInfo, build):
@@ -143,7 +143,7 @@ def use_deterministic_algorithms(on: bool) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, info: DistInfo):
+    def __init__(self, cfg: RunConfig, info: DistInfo, run_dir: Path):
         self.info = info
         t = cfg.train
         self.mode = resolve_mode(cfg.parallel, info)
@@ -168,7 +168,7 @@ class Trainer:
         self.model = apply_parallelism(model, self.parallel, info, self.mode, self.bf16)
         self.optimizer = build_optimizer(self.model, t, info.device)
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.run_dir = _run_dir(cfg, info)
+        self.run_dir = run_dir
         self.tokens_per_step = t.batch_size * t.grad_accum * t.seq_len * info.world_size
         self.step = 0
         self.bad_step = torch.full((), -1, dtype=torch.long, device=info.device)
@@ -176,6 +176,8 @@ class Trainer:
         self.data_wait_s = 0.0
         self.last_batch: torch.Tensor | None = None
         self.health_step: int | None = None
+        self.resume_changes: dict = {}
+        self.signals = StopSignals()  # replaced by the active one while the loop runs
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -193,27 +195,51 @@ class Trainer:
         return checkpoint.save(path, self.model, self.optimizer, self._rank_state(), meta, self.info, keep)
 
     def resume(self) -> Path | None:
+        """Load the checkpoint that checkpoint.resume names, if any, after checking that this config may continue
+        it (nsa.train.resume_rules); the settings that changed take effect from its step and are remembered in
+        self.resume_changes."""
         choice = self.cfg.checkpoint.resume
         if choice == "none" or not choice:
             return None
         path = checkpoint.latest(self.run_dir) if choice == "auto" else checkpoint.resolve(choice)
         if path is None:
             return None
+        meta = checkpoint.verify(path)
+        fixed, applied = split_changes(config_changes(meta["config"], to_dict(self.cfg)))
+        if fixed:
+            raise UserError(
+                f"cannot resume from {path}: it was trained with other settings that shape the model or the data "
+                f"stream ({describe(fixed)}); drop those overrides to continue it, or start a new run "
+                "(another train.run_name, or checkpoint.resume=none)")
         state = checkpoint.load(path, self.model, self.optimizer, self.info)
-        if state is None:
-            state = torch.load(path / "rank0.pt", map_location="cpu", weights_only=False)
-            self._print(f"warning: {path} was written by {checkpoint.read_meta(path)['world_size']} ranks; with "
+        exact = state is not None
+        if not exact:
+            state = checkpoint.load_rank_state(path, 0)
+            self._print(f"warning: {path} was written by {meta['world_size']} ranks; with "
                         f"{self.info.world_size} the data order continues from rank 0's position only approximately")
             state.pop("rng_cpu", None), state.pop("rng_cuda", None)
         self.step = int(state["step"])
         self.scheduler.load_state_dict(state["scheduler"])
-        with contextlib.suppress(KeyError, TypeError, ValueError):
-            self.data.train.load_state_dict(state["data"])
+        self._load_data_position(state["data"], path, exact)
         if "rng_cpu" in state:
             torch.set_rng_state(state["rng_cpu"])
         if "rng_cuda" in state and self.info.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng_cuda"], self.info.device)
+        if applied:
+            apply_hyperparameters(self.optimizer, self.scheduler, self.cfg.train)
+            self.resume_changes = applied
         return path
+
+    def _load_data_position(self, position: dict, path: Path, exact: bool) -> None:
+        try:
+            self.data.train.load_state_dict(position)
+        except (KeyError, TypeError, ValueError) as e:
+            if exact:  # the same data config wrote it: a position that does not load is a damaged file
+                raise UserError(f"checkpoint {path} holds a data position this data source cannot continue from "
+                                f"({e}); resume from an earlier checkpoint, or start over with "
+                                "checkpoint.resume=none") from None
+            self._print("warning: the data position could not be carried over to this number of ranks; the data "
+                        "order starts from the beginning")
 
     # ------------------------------------------------------------------ steps
 
@@ -309,8 +335,17 @@ class Trainer:
                     f"{path}; run the same command again to continue")
         return path
 
+    def _stop_on_signal(self, signum: int) -> None:
+        """Every rank, at the agreed step: save this step's state and end the launch with 128 + signum."""
+        path = self.save()
+        name = signal.Signals(signum).name
+        self.log.event("halt", self.step, reason=name, path=str(path))
+        raise Interrupted(f"stopped at step {self.step} on {name}; checkpoint: {path}; run the same command again "
+                          "to continue", exit_code(signum), show=self.info.is_main)
+
     def _check_stop(self, decision: StopDecision | None) -> bool:
-        """Act on an agreed stop request: raise on non-finite numbers; True when a HALT file asks to stop."""
+        """Act on an agreed stop request: raise on non-finite numbers; True when a HALT file or a signal asks to
+        stop."""
         if decision is None or not decision.stop:
             return False
         self.stops.settle()  # every rank queued the same later requests; none may outlive the process group
@@ -326,16 +361,44 @@ class Trainer:
 
     def _open_log(self, resumed: Path | None) -> None:
         info, tel = self.info, self.cfg.telemetry
-        self.log = RunLog(self.run_dir, info.rank, info.is_main, to_dict(self.cfg), info.world_size, self.step,
-                          tel.tensorboard)
+        try:
+            self.log = RunLog(self.run_dir, info.rank, info.is_main, to_dict(self.cfg), info.world_size, self.step,
+                              tel.tensorboard)
+            self.watchdog = Watchdog(self.run_dir, info.rank, tel.stall_timeout_s, self.log.heartbeat)
+        except OSError as e:
+            raise write_error(e, e.filename or self.run_dir, "choose a writable train.out_dir") from None
         self.log.event("boot", self.step, local_rank=info.local_rank, world_size=info.world_size,
                        device=str(info.device), pid=os.getpid(), mode=self.mode)
         if resumed:
-            self.log.event("resume", self.step, path=str(resumed))
-        self.watchdog = Watchdog(self.run_dir, info.rank, tel.stall_timeout_s, self.log.heartbeat)
+            changed = {key: [old, new] for key, (old, new) in self.resume_changes.items()}
+            self.log.event("resume", self.step, path=str(resumed), changed=changed or None)
         self.watchdog.install_signal_handler()
         self.stops = StopRequests(self.halt_path, info)
         self.gate_watch = GateWatch(tel.gate_collapse, tel.gate_flat_steps)
+
+    def _record_config(self) -> None:
+        """config.yaml: the settings this launch trains with (after a resume, with the changes it applied)."""
+        if not self.info.is_main:
+            return
+        path = self.run_dir / "config.yaml"
+        try:
+            tmp = path.with_name(".config.yaml.tmp")
+            tmp.write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as e:
+            raise write_error(e, path, "choose a writable train.out_dir") from None
+
+    def _check_run_files(self) -> None:
+        """Every rank, on logging steps: stop all ranks if some rank's run files could not be written."""
+        failure = self.log.failure
+        if not any_rank(failure is not None, self.info):
+            return
+        last = checkpoint.latest(self.run_dir)
+        fix = (f"the latest complete checkpoint, {last}, is intact: fix this, then run the same command to resume "
+               "from it" if last else "no checkpoint was written yet")
+        if failure is None:
+            raise UserError(f"another rank could not write its run files; {fix}")
+        raise write_error(failure[1], failure[0], fix)
 
     def _log_step(self, step: int, loss: torch.Tensor, norm: torch.Tensor, window: tuple[float, int], start: float,
                   bar: tqdm, evaluate: bool, is_last: bool) -> dict:
@@ -359,6 +422,7 @@ class Trainer:
                 self.log.event("warning", step, message=warning)
                 self._print(f"warning: step {step}: {warning}", bar)
         self.log.step(row, {"tokens_per_s": tok_s, "mem_gb": mem_gb, "data_wait": data_wait})
+        self._check_run_files()
         if self.cfg.train.progress:
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tok_s:,.0f}")
         else:
@@ -368,6 +432,7 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg, t, info = self.cfg, self.cfg.train, self.info
         resumed = self.resume()
+        self._record_config()
         self._banner(resumed)
         self._open_log(resumed)
         bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True, file=sys.stdout,
@@ -379,46 +444,43 @@ class Trainer:
         end = min(t.steps, self.step + t.stop_after) if t.stop_after else t.steps
         halted = None
         try:
-            while self.step < end:
-                loss, norm = self.train_step()
-                self.watchdog.progress(self.step)
-                bar.update(1)
-                step, is_last = self.step, self.step == end
-                save = bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0 and not is_last
-                self.stops.submit(step, self.bad_step)
-                # Before a checkpoint every pending request is settled, so a checkpoint never holds NaNs.
-                stop = self._check_stop(self.stops.decision(step, final=is_last or save))
-                do_eval = t.eval_every > 0 and (step % t.eval_every == 0 or is_last)
-                if step == 1 or step % t.log_every == 0 or do_eval or is_last or stop:
-                    # Host syncs happen only here, on logging steps, identically on every rank.
-                    row = self._log_step(step, loss, norm, window, start, bar, evaluate=do_eval and not stop,
-                                         is_last=is_last or stop)
-                    window = (time.perf_counter(), step)
-                    _remember(result, row)
-                if stop:
-                    halted = self._halt_requested()
-                    break
-                if save:
-                    self.log.event("checkpoint", step, path=str(self.save()))
-        except KeyboardInterrupt:
-            bar.close()
-            # One process can save safely; across processes a collective save could wait on a rank that
-            # is already gone, so the last periodic checkpoint stands.
-            if not info.distributed and self.step > 0:
-                path = self.save()
-                self.log.event("halt", self.step, reason="interrupted", path=str(path))
-                print(f"\ninterrupted at step {self.step}; checkpoint: {path}", file=sys.stderr)
-            raise
+            with StopSignals(on_first=self._signal_received) as self.signals:
+                while self.step < end:
+                    loss, norm = self.train_step()
+                    self.watchdog.progress(self.step)
+                    bar.update(1)
+                    step, is_last = self.step, self.step == end
+                    save = bool(cfg.checkpoint.every) and step % cfg.checkpoint.every == 0 and not is_last
+                    self.stops.submit(step, self.bad_step, self.signals.received)
+                    # Before a checkpoint every pending request is settled, so a checkpoint never holds NaNs.
+                    decision = self.stops.decision(step, final=is_last or save)
+                    stop = self._check_stop(decision)
+                    do_eval = t.eval_every > 0 and (step % t.eval_every == 0 or is_last)
+                    if step == 1 or step % t.log_every == 0 or do_eval or is_last or stop:
+                        # Host syncs happen only here, on logging steps, identically on every rank.
+                        row = self._log_step(step, loss, norm, window, start, bar, evaluate=do_eval and not stop,
+                                             is_last=is_last or stop)
+                        window = (time.perf_counter(), step)
+                        _remember(result, row)
+                    if stop:
+                        bar.close()
+                        if decision.signal:
+                            self._stop_on_signal(decision.signal)
+                        halted = self._halt_requested()
+                        break
+                    if save:
+                        self.log.event("checkpoint", step, path=str(self.save()))
+                bar.close()
+                return self._finish(result, resumed, halted, first_step, start)
         finally:
             bar.close()
             self.data.train.close()
             self.watchdog.close()
-            if sys.exc_info()[0] is not None:
-                self.log.close()
-        try:
-            return self._finish(result, resumed, halted, first_step, start)
-        finally:
             self.log.close()
+
+    def _signal_received(self, signum: int) -> None:
+        """On the signal listener's thread: record the request (the stop itself waits for an agreed step)."""
+        self.log.event("signal", self.watchdog.step, signal=signal.Signals(signum).name)
 
     def _banner(self, resumed: Path | None) -> None:
         cfg, info = self.cfg, self.info
@@ -429,6 +491,9 @@ class Trainer:
         )
         self._print(f"data: {self.data.description}; {self.tokens_per_step:,} tokens per step")
         self._print(f"run dir: {self.run_dir}" + (f" (resumed from {resumed})" if resumed else ""))
+        if self.resume_changes:
+            self._print(f"resumed with changed settings (applied from step {self.step}): "
+                        f"{describe(self.resume_changes)}")
         if self.parallel.compile:  # otherwise a silent minute before the first step looks like a hang
             what = "compile the blocks and record their CUDA graphs" if self.parallel.cudagraphs else "compile the blocks"
             self._print(f"the first steps {what}: a minute or two on M7C")
@@ -447,7 +512,7 @@ class Trainer:
         t, info = self.cfg.train, self.info
         ran = first_step < self.step or resumed is None
         result.checkpoint = halted or (self.save() if ran else resumed)
-        if halted is None and t.sample_tokens > 0:
+        if halted is None and t.sample_tokens > 0 and not self.signals.received:
             model = unwrap(self.model) if self.mode != "fsdp" else self.model
             with uncompiled(model):
                 result.sample = generate_text(model, self.tokenizer, t.sample_prompt, t.sample_tokens, t.seq_len,
@@ -473,11 +538,23 @@ def train(cfg: RunConfig) -> TrainResult:
     """Train as configured: single process, or one process per GPU under torchrun (DDP or FSDP2)."""
     info = init_distributed(cfg.train.device, cfg.parallel.timeout_s, cfg.parallel.allow_single_process)
     finished = False
+    folder = trainer = None
     try:
-        result = Trainer(cfg, info).run()
+        folder = open_run_folder(cfg, info)
+        if folder.note and info.is_main:
+            print(folder.note)
+        trainer = Trainer(cfg, info, folder.path)
+        result = trainer.run()
         finished = True
         return result
+    except BaseException:
+        # A run that ends before its first step leaves nothing worth keeping: no folder of empty files.
+        if folder is not None and folder.created and info.is_main and (trainer is None or trainer.step == 0):
+            discard_unused(folder.path)
+        raise
     finally:
+        if folder is not None:
+            folder.release()
         shutdown(info, finished)
 
 

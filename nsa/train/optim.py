@@ -31,3 +31,16 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                          cfg: TrainConfig) -> None:
+    """After loading a checkpoint: the learning rate, schedule, betas and weight decay of `cfg` from the
+    scheduler's current step on (a loaded optimizer carries the values it was saved with). Group 0 is the
+    decaying group (build_optimizer)."""
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    factor = lr_factor(scheduler.last_epoch, cfg)
+    for i, group in enumerate(optimizer.param_groups):
+        group["lr"] = cfg.lr * factor
+        group["betas"] = tuple(cfg.betas)
+        group["weight_decay"] = cfg.weight_decay if i == 0 else 0.0

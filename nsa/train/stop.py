@@ -1,7 +1,8 @@
 """Stop requests agreed by every rank without a host sync on the training step.
 
-Each step every rank contributes whether it sees a HALT file in the run folder and the first step
-whose loss or gradient norm was non-finite (-1 if none). The maximum over ranks is all-reduced
+Each step every rank contributes whether it sees a HALT file in the run folder, the stop signal it received
+(SIGINT or SIGTERM, 0 if none; nsa.train.signals) and the first step whose loss or gradient norm was non-finite
+(-1 if none). The maximum over ranks is all-reduced
 asynchronously and copied to pinned host memory; the answer for step i is read at step i + LAG,
 when it has long arrived. Every rank therefore stops at the same step, and none waits for the GPU.
 """
@@ -25,12 +26,14 @@ LAG = 2
 class StopDecision:
     halt_file: bool
     """Some rank saw the HALT file."""
+    signal: int
+    """The stop signal some rank received (the highest number when they differ), or 0."""
     bad_step: int
     """The first step with a non-finite loss or gradient norm on any rank, or -1."""
 
     @property
     def stop(self) -> bool:
-        return self.halt_file or self.bad_step >= 0
+        return self.halt_file or self.signal > 0 or self.bad_step >= 0
 
 
 class StopRequests:
@@ -38,15 +41,18 @@ class StopRequests:
         self.halt_path, self.info = halt_path, info
         self._pending: collections.deque = collections.deque()
 
-    def submit(self, step: int, bad_step: torch.Tensor) -> None:
-        """Queue this step's request; bad_step is a 0-d int64 device tensor (-1 when all is finite)."""
+    def submit(self, step: int, bad_step: torch.Tensor, signal: int = 0) -> None:
+        """Queue this step's request; bad_step is a 0-d int64 device tensor (-1 when all is finite), signal the stop
+        signal this rank received (0: none)."""
+        # Filled on the device (no copy from pageable host memory, which could wait for the GPU).
         seen = torch.full((), int(self.halt_path.exists()), dtype=torch.long, device=bad_step.device)
-        request = torch.stack([seen, bad_step])
+        signalled = torch.full((), signal, dtype=torch.long, device=bad_step.device)
+        request = torch.stack([seen, signalled, bad_step])
         work = dist.all_reduce(request, op=dist.ReduceOp.MAX, async_op=True) if self.info.distributed else None
         if request.is_cuda:
             if work is not None:
                 work.wait()  # orders the copy after the reduction on the GPU; the host does not wait
-            host = torch.empty(2, dtype=torch.long, pin_memory=True)
+            host = torch.empty(3, dtype=torch.long, pin_memory=True)
             host.copy_(request, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
@@ -62,7 +68,7 @@ class StopRequests:
     def decision(self, step: int, final: bool = False) -> StopDecision | None:
         """The decision due at this step (requested LAG steps ago), or with final=True all pending ones
         combined; None when none is due. Every rank must call this at the same steps."""
-        halt, bad = False, -1
+        halt, signal, bad = False, 0, -1
         due = False
         while self._pending and (final or self._pending[0][0] <= step - LAG):
             _, values, done, work = self._pending.popleft()
@@ -70,7 +76,7 @@ class StopRequests:
                 done.synchronize()
             elif work is not None:
                 work.wait()
-            seen, first_bad = values.tolist()
-            halt, bad = halt or bool(seen), first_bad if bad < 0 else bad
+            seen, signalled, first_bad = values.tolist()
+            halt, signal, bad = halt or bool(seen), max(signal, signalled), first_bad if bad < 0 else bad
             due = True
-        return StopDecision(halt, bad) if due else None
+        return StopDecision(halt, signal, bad) if due else None

@@ -1,0 +1,75 @@
+"""What a resumed run may change: each config key is either fixed by the checkpoint or applied from the resumed step.
+
+Keys that shape the model or the data stream are fixed: the weights, the optimizer state and the saved data
+position only mean something for the config that made them. Everything else (the length of the run and its
+schedule, the optimizer's hyper-parameters, logging, checkpoints, parallelism, kernels, telemetry) takes effect
+from the resumed step as written, and the run's config.yaml and heartbeat record the change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FIXED = "fixed"
+APPLIED = "applied"
+
+_FIXED_PREFIXES = ("model.", "data.", "train.seq_len", "train.batch_size", "train.grad_accum", "train.seed")
+_APPLIED_EXCEPTIONS = (
+    "model.dense_backend",  # which kernel computes dense attention, not what it computes
+    "model.nsa.backend",
+    "model.init_std",  # used only to initialise weights, which the checkpoint replaces
+    "data.prefetch",
+    "data.first_batch_timeout_s",
+)
+
+_RUN_IDENTITY = ("train.out_dir", "train.run_name", "checkpoint.resume")
+"""Keys that say where the run lives and what it resumes from, not how it trains: never reported as changes."""
+
+RULE_DOCS = {
+    FIXED: "on resume: fixed (shapes the model or the data stream; a changed value is refused)",
+    APPLIED: "on resume: applied from the resumed step, and recorded",
+}
+
+
+def resume_rule(key: str) -> str:
+    """FIXED or APPLIED for a dotted config key such as 'train.lr'."""
+    if key in _APPLIED_EXCEPTIONS:
+        return APPLIED
+    if any(key == p or key.startswith(p) for p in _FIXED_PREFIXES):
+        return FIXED
+    return APPLIED
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    """{'train.lr': 0.002, ...} from a nested config mapping."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_changes(saved: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """{key: (saved value, new value)} for every key whose value differs; keys the saved config lacks (added to
+    the config since it was written) are not changes."""
+    old, now = flatten(saved), flatten(new)
+    return {key: (old[key], value) for key, value in now.items()
+            if key in old and key not in _RUN_IDENTITY and _plain(old[key]) != _plain(value)}
+
+
+def split_changes(changes: dict[str, tuple[Any, Any]]) -> tuple[dict, dict]:
+    """(fixed changes, applied changes)."""
+    fixed = {k: v for k, v in changes.items() if resume_rule(k) == FIXED}
+    return fixed, {k: v for k, v in changes.items() if k not in fixed}
+
+
+def describe(changes: dict[str, tuple[Any, Any]]) -> str:
+    """'train.lr 0.002 -> 0.01, train.steps 500 -> 800'."""
+    return ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changes.items())
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
