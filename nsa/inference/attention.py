@@ -30,6 +30,8 @@ def _as_positions(positions: torch.Tensor | int, batch: int, device) -> torch.Te
 
 def _masked_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim restricted to `valid`; all-zero weights where nothing is valid."""
+    if scores.shape[-1] == 0:  # a cache shorter than one compressed block has no compressed slot at all
+        return scores
     s = scores.masked_fill(~valid, float("-inf"))
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
