@@ -352,6 +352,9 @@ def test_nsa_generate_samples_with_a_seed(run_dir, capsys):
         (["RUN", "--prompt", "x" * 10, "--max-new-tokens", "60"], "nsa: error: the prompt (10 tokens) plus"),
         (["RUN", "--max-new-tokens", "0"], "nsa: error: --max-new-tokens must be >= 1"),
         (["RUN", "--top-p", "1.5"], "nsa: error: top_p must be in (0, 1]"),
+        (["RUN", "--top-p", "nan"], "nsa: error: top_p must be in (0, 1]"),
+        (["RUN", "--temperature", "nan"], "nsa: error: temperature must be a finite number >= 0"),
+        (["RUN", "--temperature", "inf"], "nsa: error: temperature must be a finite number >= 0"),
     ],
 )
 def test_nsa_generate_user_errors_are_one_line_with_exit_code_2(run_dir, args, message, capsys):
