@@ -1,6 +1,7 @@
 """Without triton installed (a CPU machine after the README's first command), no CPU path imports it: the model
 trains and decodes with phi 'mlp' and 'mean', and `nsa train` runs in a fresh virtual environment."""
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -82,17 +83,21 @@ def readme_train_command() -> tuple[list[str], list[str]]:
 def test_the_readmes_first_command_trains_in_a_fresh_environment_without_triton(tmp_path):
     pip_args, command = readme_train_command()
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    install = subprocess.run([str(python), "-m", "pip", "install", "--no-compile", *pip_args], cwd=ROOT,
-                             capture_output=True, text=True, timeout=900)
-    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
-    probe = subprocess.run([str(python), "-c", "import triton"], capture_output=True, text=True, timeout=60)
-    assert probe.returncode != 0 and "No module named 'triton'" in probe.stderr, probe.stderr
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        python = venv / "bin" / "python"
+        # --no-compile: the same install, without first writing bytecode for each of torch's many files.
+        install = subprocess.run([str(python), "-m", "pip", "install", "--no-compile", *pip_args], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=900)
+        assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+        probe = subprocess.run([str(python), "-c", "import triton"], capture_output=True, text=True, timeout=60)
+        assert probe.returncode != 0 and "No module named 'triton'" in probe.stderr, probe.stderr
 
-    runs = tmp_path / "runs"
-    train = subprocess.run([str(venv / "bin" / command[0]), *command[1:], "train.steps=3", "train.sample_tokens=5",
-                            "train.eval_every=0", f"train.out_dir={runs}", "train.run_name=first"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert train.returncode == 0, train.stderr[-3000:]
-    assert "done: step 3" in train.stdout and (runs / "first" / "metrics.csv").exists(), train.stdout[-2000:]
+        runs = tmp_path / "runs"
+        train = subprocess.run([str(venv / "bin" / command[0]), *command[1:], "train.steps=3",
+                                "train.sample_tokens=5", "train.eval_every=0", f"train.out_dir={runs}",
+                                "train.run_name=first"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert train.returncode == 0, train.stderr[-3000:]
+        assert "done: step 3" in train.stdout and (runs / "first" / "metrics.csv").exists(), train.stdout[-2000:]
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)  # about a gigabyte
