@@ -53,14 +53,28 @@ class RunConfig:
             raise ConfigError(f"data.source={self.data.source} needs data.path=...")
         if self.data.source == "hf" and not self.data.hf_name:
             raise ConfigError("data.source=hf needs data.hf_name=... (e.g. HuggingFaceFW/fineweb-edu)")
-        if t.lr <= 0:
-            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-        if not 0 <= t.min_lr_ratio <= 1:
-            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        self._validate_optimizer()
+        if not 0 <= tel.gate_collapse < 0.5:
+            raise ConfigError(f"telemetry.gate_collapse must be in [0, 0.5), got {tel.gate_collapse}")
+        if self.data.first_batch_timeout_s <= 0:
+            raise ConfigError(f"data.first_batch_timeout_s must be > 0, got {self.data.first_batch_timeout_s}")
         if self.data.retrieval.kv_pairs < 1:
             raise ConfigError(f"data.retrieval.kv_pairs must be >= 1, got {self.data.retrieval.kv_pairs}")
         if not 0 <= self.data.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.data.val_fraction}")
+
+    def _validate_optimizer(self) -> None:
+        t = self.train
+        if t.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+        if not 0 <= t.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        if t.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay must be >= 0, got {t.weight_decay}")
+        if t.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
+        if not all(0 <= b < 1 for b in t.betas):
+            raise ConfigError(f"train.betas must both be in [0, 1), got {list(t.betas)} (e.g. train.betas=[0.9,0.95])")
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -65,11 +66,22 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in get_args(tp))
     if tp is type(None):
         return "null"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+    if origin in (list, tuple):
+        args = [a for a in get_args(tp) if a is not Ellipsis]
+        if origin is tuple and len(args) == len(get_args(tp)) and len(set(args)) == 1:  # tuple[float, float]
+            return f"a list of {len(args)} {PLURALS.get(args[0], _describe(args[0]))}"
+        return "a list of " + " and ".join(PLURALS.get(a, _describe(a)) for a in args)
+    if tp is float:
+        return "a finite number"
+    return {int: "an integer", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Convert a YAML-parsed value to field type `tp`, or raise ConfigError naming `key`."""
+PLURALS = {float: "finite numbers", int: "integers", str: "strings", bool: "true/false values"}
+
+
+def _coerce(value: Any, tp: Any, key: str, example: Any = None) -> Any:
+    """Convert a YAML-parsed value to field type `tp`, or raise ConfigError naming `key` (and, for a list,
+    showing `example`, the field's current value, in override form)."""
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in get_args(tp):
@@ -85,9 +97,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value in get_args(tp):
             return value
     elif origin in (list, tuple):
-        (item_tp, *rest) = get_args(tp) or (Any,)
-        if isinstance(value, (list, tuple)):
-            items = [_coerce(v, item_tp, key) if item_tp is not Any else v for v in value]
+        args = get_args(tp) or (Any, ...)
+        fixed = origin is tuple and args[-1] is not Ellipsis  # tuple[float, float]: exactly that many items
+        if isinstance(value, (list, tuple)) and (not fixed or len(value) == len(args)):
+            item_types = args if fixed else [args[0]] * len(value)
+            items = [_coerce(v, a, key) for v, a in zip(value, item_types)]
             return tuple(items) if origin is tuple else items
     elif tp is bool:
         if isinstance(value, bool):
@@ -98,19 +112,28 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads '1e-3' (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        # nan and inf are no setting's meaning: nan passes every range check (each comparison is false).
+        if number is not None and math.isfinite(number):
+            return number
     elif tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     elif tp is Any:
         return value
-    raise ConfigError(f"{key}={value!r} is not valid: expected {_describe(tp)}")
+    hint = f" (e.g. {key}={_as_override(example)})" if isinstance(example, (list, tuple)) and example else ""
+    raise ConfigError(f"{key}={value!r} is not valid: expected {_describe(tp)}{hint}")
+
+
+def _as_override(value: list | tuple) -> str:
+    return "[" + ",".join(str(v) for v in value) + "]"
 
 
 def from_dict(cls: type, data: dict | None, prefix: str = "") -> Any:
@@ -133,7 +156,7 @@ def merge(cfg: Any, data: dict, prefix: str = "") -> Any:
         if dataclasses.is_dataclass(current):
             changes[key] = merge(current, value, _join(prefix, key))
         else:
-            changes[key] = _coerce(value, hints[key], _join(prefix, key))
+            changes[key] = _coerce(value, hints[key], _join(prefix, key), example=current)
     return dataclasses.replace(cfg, **changes)
 
 
@@ -179,11 +202,21 @@ def load_yaml(path: str) -> dict:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file '{path}' not found (give a YAML path such as configs/tiny.yaml)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file '{path}' is a folder; give a YAML file such as configs/tiny.yaml") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text; give a YAML file such as configs/tiny.yaml") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config file '{path}' is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    return data or {}
+    if data is None:  # an empty file
+        return {}
+    if not isinstance(data, dict):
+        kind = "a list" if isinstance(data, list) else f"the single value {data!r}"
+        raise ConfigError(f"config file '{path}' holds {kind} at its top level; it must map sections to keys "
+                          "(e.g. 'train:' then '  steps: 100' on the next line)")
+    return data
 
 
 def describe_fields(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:

@@ -79,9 +79,10 @@ def test_saved_results_redraw_to_a_png(tmp_path, rows, name, capsys):
 
 def test_files_that_are_not_results_fail_in_one_line(tmp_path, capsys):
     missing = tmp_path / "none.json"
-    assert main(["bench", "plot", str(missing)]) != 0
-    err = capsys.readouterr().err.strip()
-    assert "no results file" in err and "\n" not in err and "Traceback" not in err
+    assert main(["bench", "plot", str(missing)]) == 2
+    assert capsys.readouterr().err == (
+        f"nsa: error: no results file '{missing}': pass a JSON that nsa bench attention, decode or train wrote into "
+        "its --out folder (e.g. nsa bench attention --out results/, then results/attention.json)\n")
     broken = tmp_path / "broken.json"
     broken.write_text('{"rows": [')
     assert main(["bench", "plot", str(broken)]) != 0

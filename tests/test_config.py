@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from nsa.cli import main
 from nsa.config import RunConfig, load_config
 from nsa.errors import ConfigError
 from nsa.model import m7c
@@ -84,6 +85,24 @@ def test_to_dict_round_trips():
         ("data.val_fraction=1.5", r"data.val_fraction must be in \[0, 1\)"),
         ("train.lr", r"not of the form key=value"),
         ("model.head_dim=31", r"must be even for RoPE"),
+        ("train.betas=[0.9]", r"train.betas=\[0.9\] is not valid: expected a list of 2 finite numbers "
+                              r"\(e.g. train.betas=\[0.9,0.95\]\)"),
+        ("train.betas=0.9", r"train.betas=0.9 is not valid: expected a list of 2 finite numbers"),
+        ("train.betas=[0.9, 1.5]", r"train.betas must both be in \[0, 1\)"),
+        ("train.lr=nan", r"train.lr='nan' is not valid: expected a finite number"),
+        ("train.lr=.inf", r"train.lr=inf is not valid: expected a finite number"),
+        ("train.lr=-inf", r"train.lr='-inf' is not valid: expected a finite number"),
+        ("train.lr=1e999", r"train.lr='1e999' is not valid: expected a finite number"),
+        ("train.lr=-0.1", r"train.lr must be > 0, got -0.1"),
+        ("model.rope_theta=nan", r"model.rope_theta='nan' is not valid: expected a finite number"),
+        ("data.val_fraction=nan", r"data.val_fraction='nan' is not valid"),
+        ("train.weight_decay=-0.01", r"train.weight_decay must be >= 0"),
+        ("train.grad_clip=-1", r"train.grad_clip must be >= 0 \(0 disables clipping\)"),
+        ("model.norm_eps=0", r"model.norm_eps must be > 0"),
+        ("model.init_std=-0.02", r"model.init_std must be > 0"),
+        ("telemetry.gate_collapse=0.6", r"telemetry.gate_collapse must be in \[0, 0.5\)"),
+        ("data.first_batch_timeout_s=0", r"data.first_batch_timeout_s must be > 0"),
+        ("data.retrieval.mix_lengths=4096", r"expected a list of integers"),
     ],
 )
 def test_bad_values_give_one_line_errors_naming_the_key(override, message):
@@ -103,3 +122,33 @@ def test_bad_yaml_files(tmp_path):
     typo.write_text("train:\n  warmup: 10\n")
     with pytest.raises(ConfigError, match="did you mean 'train.warmup_steps'"):
         load_config(str(typo))
+
+
+@pytest.mark.parametrize("override", ["train.betas=[0.9]", "train.lr=nan", "train.lr=inf", "train.lr=-1"])
+def test_bad_numbers_stop_nsa_train_with_one_line(override, capsys):
+    assert main(["train", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nsa: error: {override.split('=')[0]}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("text,holds", [("- train\n- model\n", "a list"), ("hello\n", "the single value 'hello'"),
+                                        ("3\n", "the single value 3")])
+def test_a_yaml_file_that_is_not_a_mapping_is_one_line_naming_the_file(tmp_path, text, holds, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"nsa: error: config file '{path}' holds {holds} at its top level; it must map sections to keys "
+                   "(e.g. 'train:' then '  steps: 100' on the next line)\n")
+
+
+def test_an_empty_yaml_file_is_the_defaults_and_a_binary_one_is_refused(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(str(empty)) == load_config(None)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(ConfigError, match="'.*binary.yaml' is not UTF-8 text"):
+        load_config(str(binary))
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(str(tmp_path))

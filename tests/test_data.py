@@ -8,6 +8,7 @@ from nsa.data.loader import WindowBatches
 from nsa.data.packing import TokenWindows, build_splits, pack, split_documents
 from nsa.data.sources import embedded_corpus, text_files
 from nsa.data.tokenizers import ByteTokenizer, get_tokenizer, padded_vocab_size
+from nsa.cli import main
 from nsa.errors import ConfigError, UserError
 
 
@@ -86,3 +87,37 @@ def test_source_errors_are_one_line_and_name_the_fix(tmp_path):
     (tmp_path / "small.txt").write_text("tiny")
     with pytest.raises(UserError, match="fewer than one window"):
         build_splits(DataConfig(source="text", path=str(tmp_path), val_fraction=0), ByteTokenizer(), 64)
+
+
+def test_binary_files_are_skipped_and_undecodable_bytes_counted_once(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("alpha " * 50)
+    (tmp_path / "b.txt").write_bytes(b"caf\xe9 na\xefve " * 10 + b"\xff\xfe tail")  # Latin-1, not UTF-8
+    (tmp_path / "c.txt").write_bytes(bytes(range(256)) * 4)  # binary: NUL bytes among others
+    (tmp_path / "d.txt").write_text("hello", encoding="utf-16")  # NUL bytes too
+    (tmp_path / "e.txt").write_text("delta " * 50)
+    out = tmp_path / "shards"
+    assert main(["prepare", "data.source=text", f"data.path={tmp_path}", "--out", str(out)]) == 0
+    err = [line.strip() for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert err == [
+        f"warning: data.path '{tmp_path}': skipped 2 of 5 .txt files holding NUL bytes (binary, or UTF-16/32 text; "
+        "convert text to UTF-8 to train on it)",
+        f"warning: data.path '{tmp_path}': 22 bytes in 1 of 5 .txt files are not UTF-8 and were replaced by U+FFFD "
+        "(convert those files to UTF-8)",
+    ]
+    docs = list(text_files(str(tmp_path)))
+    assert [d[:5] for d in docs] == ["alpha", "caf\ufffd ", "delta"] and docs[1].count("\ufffd") == 22
+    capsys.readouterr()
+
+
+def test_a_folder_of_binary_files_alone_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02" * 100)
+    assert main(["train", "data.source=text", f"data.path={tmp_path}", "train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"nsa: error: data.path '{tmp_path}': all 1 .txt file(s) hold NUL bytes (binary, or UTF-16/32 "
+                   "text); give UTF-8 text files\n")
+
+
+def test_clean_text_trains_without_a_warning(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("In the beginning — ἐν ἀρχῇ ✓ " * 50)
+    assert len(list(text_files(str(tmp_path)))) == 1
+    assert capsys.readouterr().err == ""

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from nsa.cli import main
 from nsa.config import load_config
 from nsa.data.config import DataConfig
 from nsa.data.loader import Prefetcher, StreamBatches, SyntheticBatches, WindowBatches, build_data
@@ -118,6 +119,24 @@ def test_prepare_writes_shards_that_train_and_resume(tmp_path):
     with pytest.raises(UserError, match="were made with the 'byte' tokenizer; set data.tokenizer=byte"):
         build_data(DataConfig(source="shards", path=str(tmp_path / "shards"), tokenizer="gpt2"),
                    get_tokenizer("gpt2"), 64, 2, 1, 0)
+
+
+@pytest.mark.parametrize("documents,val_fraction,val", [(1, 0.05, 0), (2, 0.05, 1), (4, 0.05, 1), (19, 0.05, 1),
+                                                         (40, 0.05, 2), (41, 0.05, 2), (4, 0.0, 0), (10, 0.5, 5)])
+def test_prepare_holds_out_a_validation_document_whenever_it_can(tmp_path, documents, val_fraction, val, capsys):
+    folder = tmp_path / "text"
+    folder.mkdir()
+    for i in range(documents):
+        (folder / f"{i:03d}.txt").write_text(f"document {i}\n")
+    assert main(["prepare", "data.source=text", f"data.path={folder}", f"data.val_fraction={val_fraction}",
+                 "--out", str(tmp_path / "shards")]) == 0
+    meta = load_meta(str(tmp_path / "shards"))["splits"]
+    assert (meta["train"]["documents"], meta["val"]["documents"]) == (documents - val, val)
+    assert f"val: {val} documents" in capsys.readouterr().out
+    held_out = [] if not val else read_shard(tmp_path / "shards" / "val_00000.bin")[0]
+    text = bytes(int(t) for t in held_out if t < 256).decode()
+    if val and documents < round(1 / val_fraction):  # too few for the stride: the last document
+        assert text == f"document {documents - 1}\n"
 
 
 def test_prefetch_serves_batches_in_order_with_the_state_of_the_last_one_handed_out():

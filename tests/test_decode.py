@@ -247,6 +247,15 @@ def test_greedy_generation_equals_argmax_of_full_forwards(attention):
     assert generate(model, prompt, 40, temperature=1.0, top_p=1e-9, seed=0) == want
 
 
+@pytest.mark.parametrize("prompt_len,new_tokens", [(1, 3), (2, 5), (2, 6), (3, 10)])
+def test_contexts_shorter_than_one_compressed_block_generate_the_full_forwards_argmax(prompt_len, new_tokens):
+    # The cache holds prompt_len + new_tokens - 1 <= block_len tokens: at most one compressed slot, or none at all.
+    model = tiny_model(seed=15)
+    prompt = tokens_for(2, prompt_len, seed=16)
+    want = sample(model, prompt, new_tokens, context=1000, temperature=0)[:, prompt_len:].tolist()
+    assert generate(model, prompt, new_tokens, temperature=0) == want
+
+
 def test_a_ragged_batch_generates_what_each_prompt_generates_alone():
     model = tiny_model(seed=14)
     prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (3, 20, 9)]
@@ -301,6 +310,20 @@ def test_nsa_generate_streams_the_greedy_continuation_of_a_trained_checkpoint(ru
     assert pieces[0] == PROMPT and "".join(pieces) == printed and len(pieces) > 2  # streamed piece by piece
 
 
+def test_nsa_generate_continues_a_two_token_prompt(run_dir, capsys):
+    # "hi" plus 5 new tokens fill fewer tokens than one compressed block (16) of the trained model.
+    assert main(["generate", str(run_dir), "--prompt", "hi", "--max-new-tokens", "5", "--temperature", "0",
+                 "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    loaded = load_for_inference(run_dir, "cpu")
+    prompt = torch.as_tensor(loaded.tokenizer.encode("hi"))[None]
+    assert prompt.shape[1] + 5 <= loaded.model.cfg.nsa.block_len
+    ids = sample(loaded.model, prompt, 5, context=64, temperature=0)[0, prompt.shape[1]:].tolist()
+    if loaded.tokenizer.eot_id in ids:
+        ids = ids[: ids.index(loaded.tokenizer.eot_id)]
+    assert printed == "hi" + loaded.tokenizer.decode(ids) + "\n"
+
+
 def test_nsa_generate_compiled_writes_the_same_greedy_text(run_dir, capsys, monkeypatch):
     compiled, real_compile = [], torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw))
@@ -329,6 +352,9 @@ def test_nsa_generate_samples_with_a_seed(run_dir, capsys):
         (["RUN", "--prompt", "x" * 10, "--max-new-tokens", "60"], "nsa: error: the prompt (10 tokens) plus"),
         (["RUN", "--max-new-tokens", "0"], "nsa: error: --max-new-tokens must be >= 1"),
         (["RUN", "--top-p", "1.5"], "nsa: error: top_p must be in (0, 1]"),
+        (["RUN", "--top-p", "nan"], "nsa: error: top_p must be in (0, 1]"),
+        (["RUN", "--temperature", "nan"], "nsa: error: temperature must be a finite number >= 0"),
+        (["RUN", "--temperature", "inf"], "nsa: error: temperature must be a finite number >= 0"),
     ],
 )
 def test_nsa_generate_user_errors_are_one_line_with_exit_code_2(run_dir, args, message, capsys):

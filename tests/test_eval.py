@@ -380,6 +380,53 @@ def test_eval_reports_a_length_that_runs_out_of_memory_as_skipped(runs, monkeypa
     assert "skip" in capsys.readouterr().out
 
 
+def test_eval_says_why_a_length_too_short_for_a_task_is_skipped(runs, tmp_path, capsys):
+    assert main(["eval", str(runs / "nsa"), "--lengths", "64,128", "--depths", "0,1", "--samples", "1",
+                 "--val-batches", "0", "--no-progress", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    skipped = json.loads((tmp_path / "eval.json").read_text())["retrieval"]["skipped"]
+    assert [(s["task"], s["length"]) for s in skipped] == [("passkey", 64), ("kv", 64)]
+    for s in skipped:
+        needed = int(re.fullmatch(rf"too short \(a {s['task']} example needs a context of at least (\d+) tokens; "
+                                  r"give --lengths (\d+) or more\)", s["reason"]).group(1))
+        assert 64 < needed <= 128
+        assert f"skip at 64: {s['reason']}\n" in printed
+    # The reason's length is enough: the first example at it is built.
+    tasks = RetrievalTasks(ByteTokenizer(), 8)
+    needed = int(skipped[0]["reason"].split("at least ")[1].split()[0])
+    tasks.example("passkey", needed + 1, 0.0, example_rng(0, 0, needed, 0, 0))
+
+
+def _text_folder(root: Path, documents: int) -> Path:
+    root.mkdir()
+    for i in range(documents):
+        (root / f"doc{i}.txt").write_text(f"Document {i} says something new. " * 20)
+    return root
+
+
+def test_eval_names_why_there_is_no_validation_loss(runs, tmp_path, capsys):
+    one = tmp_path / "one-shards"
+    assert main(["prepare", "data.source=text", f"data.path={_text_folder(tmp_path / 'one', 1)}", "--out",
+                 str(one)]) == 0
+    four = tmp_path / "four-shards"
+    assert main(["prepare", "data.source=text", f"data.path={_text_folder(tmp_path / 'four', 4)}", "--out",
+                 str(four)]) == 0
+    assert "val: 1 documents" in capsys.readouterr().out
+    common = ["--tasks", "none", "--val-batches", "1", "--no-progress", "--out", str(tmp_path / "eval")]
+    cases = [
+        ([f"data.path={one}", "data.source=shards"],
+         f"validation: skipped: the shards in '{one}' hold no validation documents (nsa prepare held out none); "
+         "prepare them again from at least 2 documents, or pass --val-batches 0"),
+        (["data.val_fraction=0"], "validation: skipped: the run's data.val_fraction is 0, so its data holds nothing "
+                                  "out; evaluate with an override such as data.val_fraction=0.05, or pass "
+                                  "--val-batches 0"),
+        ([f"data.path={four}", "data.source=shards"], "validation: loss "),
+    ]
+    for overrides, message in cases:
+        assert main(["eval", str(runs / "nsa"), *overrides, *common]) == 0
+        assert message in capsys.readouterr().out, overrides
+
+
 def test_compare_two_runs(runs, tmp_path):
     for name in ("nsa", "dense"):
         if not (runs / name / "eval" / "eval.csv").exists():

@@ -24,3 +24,15 @@ def test_readme_starts_with_train_then_test_command_and_ci_runs_the_test_command
     assert test_cmd.startswith("pip install") and "pytest" in test_cmd
     ci_lines = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l and not l.startswith(("#", "set ", "cd "))]
     assert ci_lines == [test_cmd]
+
+
+def test_the_readmes_bench_plot_example_redraws_a_file_an_earlier_line_writes():
+    lines = [line.split("#")[0].split() for block in bash_blocks((ROOT / "README.md").read_text())
+             for line in block.splitlines()]
+    plots = [words for words in lines if words[:3] == ["nsa", "bench", "plot"]]
+    assert plots
+    for words in plots:
+        results = Path(words[3])
+        kind = results.stem  # attention, decode or train
+        writers = [w for w in lines[:lines.index(words)] if w[:3] == ["nsa", "bench", kind] and "--out" in w]
+        assert any(Path(w[w.index("--out") + 1]) == results.parent for w in writers), (words, writers)

@@ -196,7 +196,8 @@ def plot_file(json_path: str | Path, out: str | Path | None = None) -> Path:
     """Redraw a saved result: `nsa bench plot FILE.json [--out PNG]` (default: FILE.png)."""
     src = Path(json_path)
     if not src.is_file():
-        raise UserError(f"no results file {src}; pass a JSON written by nsa bench attention, decode or train")
+        raise UserError(f"no results file '{src}': pass a JSON that nsa bench attention, decode or train wrote into "
+                        "its --out folder (e.g. nsa bench attention --out results/, then results/attention.json)")
     try:
         data = json.loads(src.read_text())
     except json.JSONDecodeError as e:

@@ -65,8 +65,8 @@ class DataConfig:
     tokenizer_path: str = ""
     """The GPT-2 ranks file (optional; found in the openai-whisper package otherwise) or the tokenizer.json for 'hf'."""
     val_fraction: float = 0.05
-    """Share held out for validation: every round(1/val_fraction)-th document (for small local text sources
-    with too few documents, the stream's tail)."""
+    """Share held out for validation: every round(1/val_fraction)-th document (with fewer documents than that,
+    the stream's tail for small local text sources, the last document for `nsa prepare`)."""
     prefetch: int = 2
     """Batches prepared ahead on a background thread."""
     first_batch_timeout_s: float = 300.0

@@ -44,15 +44,26 @@ def prepare(cfg: DataConfig, out: str, shard_tokens: int = 100_000_000, max_docu
                for split in ("train", "val")}
     start = time.time()
     bar = tqdm(desc="prepare", unit=" docs", disable=not progress)
+    # The latest training document is written one document late: where the stride held out none (fewer than
+    # `stride` documents), the last document goes to validation instead.
+    held = None
     for i, doc in enumerate(iter_documents(cfg)):
         if max_documents and i >= max_documents:
             break
-        split = "val" if stride and i % stride == stride - 1 else "train"
-        writers[split].add(tokenizer.encode(doc))
+        tokens = tokenizer.encode(doc)
+        if stride and i % stride == stride - 1:
+            writers["val"].add(tokens)
+        else:
+            if held is not None:
+                writers["train"].add(held)
+            held = tokens
         bar.update(1)
         if i % 1000 == 0:
             bar.set_postfix(tokens=f"{sum(w.tokens + w.pending for w in writers.values()):,}")
     bar.close()
+    if held is not None:
+        short_of_val = stride and writers["val"].documents == 0 and writers["train"].documents > 0
+        writers["val" if short_of_val else "train"].add(held)
     for w in writers.values():
         w.flush()
     if writers["train"].tokens == 0:

@@ -29,6 +29,14 @@ from .tokenizers import Tokenizer
 
 TASKS = ("passkey", "kv")
 
+
+class ExampleTooShort(ValueError):
+    """An example of a task cannot fit the length asked for; `needed` is the length it would take."""
+
+    def __init__(self, task: str, needed: int, length: int):
+        super().__init__(f"a {task} example needs at least {needed} tokens, got length {length}")
+        self.needed = needed
+
 # The classic passkey haystack (Mohtashami & Jaggi 2023; also the NSA paper's needle test). We use it rather
 # than corpus text because a fixed cycle of sentences is learned within a few steps: a model trained on the
 # retrieval source then spends its capacity, and the loss its signal, on the needle and the answer, the only
@@ -82,7 +90,7 @@ class RetrievalTasks:
         return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
 
     def example(self, task: str, length: int, depth: float, rng: np.random.Generator) -> RetrievalExample:
-        """An example of exactly `length` tokens; raises ValueError when `length` is too short for `task`."""
+        """An example of exactly `length` tokens; raises ExampleTooShort when `length` is too short for `task`."""
         if task not in TASKS:
             raise ValueError(f"unknown retrieval task '{task}'; choose from {', '.join(TASKS)}")
         if not 0.0 <= depth <= 1.0:
@@ -120,7 +128,7 @@ class RetrievalTasks:
         answer = self._encode(" " + answer_text)
         n_filler = length - len(needle) - sum(len(d) for d in distractors) - len(question) - len(answer)
         if n_filler < 0:
-            raise ValueError(f"a {task} example needs at least {length - n_filler} tokens, got length {length}")
+            raise ExampleTooShort(task, length - n_filler, length)
         filler, boundaries = self._filler(n_filler, rng)
         # Distractors go to random sentence boundaries; the needle then to the gap nearest the requested depth.
         spots = np.sort(rng.choice(boundaries, size=len(distractors))) if distractors else np.zeros(0, np.int64)

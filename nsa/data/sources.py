@@ -8,7 +8,9 @@ the dataset's own state).
 from __future__ import annotations
 
 import glob
+import re
 import sqlite3
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,8 +46,16 @@ def embedded_corpus() -> Iterator[str]:
         con.close()
 
 
+UNDECODABLE = re.compile("[\udc80-\udcff]")
+"""The stand-ins of bytes that are not UTF-8 under the 'surrogateescape' error handler: one per byte."""
+
+
 def text_files(path: str) -> Iterator[str]:
-    """A .txt file, or every .txt file below a folder (sorted), one document per file."""
+    """A .txt file, or every .txt file below a folder (sorted), one document per file.
+
+    A file holding NUL bytes is binary (or UTF-16/32 text) and is skipped; bytes that are not UTF-8 become
+    U+FFFD. Either is reported once, with counts, after the last file.
+    """
     root = Path(path).expanduser()
     if not path:
         raise UserError("data.source='text' needs data.path=FILE_OR_FOLDER")
@@ -54,10 +64,41 @@ def text_files(path: str) -> Iterator[str]:
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*.txt") if p.is_file())
     if not files:
         raise UserError(f"data.path '{path}' holds no .txt files")
+    binary, damaged, bad_bytes, documents = 0, 0, 0, 0
     for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
+        data = f.read_bytes()
+        if b"\0" in data:
+            binary += 1
+            continue
+        text = data.decode("utf-8", errors="surrogateescape")
+        bad = len(UNDECODABLE.findall(text))
+        if bad:
+            damaged, bad_bytes, text = damaged + 1, bad_bytes + bad, UNDECODABLE.sub("\ufffd", text)
         if text.strip():
+            documents += 1
             yield text
+    _report_text_files(path, len(files), binary, damaged, bad_bytes, documents)
+
+
+def _report_text_files(path: str, files: int, binary: int, damaged: int, bad_bytes: int, documents: int) -> None:
+    if binary and not documents:
+        raise UserError(f"data.path '{path}': all {files} .txt file(s) hold NUL bytes (binary, or UTF-16/32 text); "
+                        "give UTF-8 text files")
+    if binary:
+        warn(f"data.path '{path}': skipped {binary} of {files} .txt files holding NUL bytes (binary, or UTF-16/32 "
+             "text; convert text to UTF-8 to train on it)")
+    if damaged:
+        warn(f"data.path '{path}': {bad_bytes:,} bytes in {damaged} of {files} .txt files are not UTF-8 and were "
+             "replaced by U+FFFD (convert those files to UTF-8)")
+
+
+def warn(message: str) -> None:
+    """A warning about the data on stderr, from one process of a distributed job (rank 0)."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        tqdm.write(f"warning: {message}", file=sys.stderr)  # above a progress bar, if one is showing
 
 
 def local_files(path: str, suffix: str) -> list[str]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..data.retrieval import TASKS, RetrievalTasks, example_rng
+from ..data.retrieval import TASKS, ExampleTooShort, RetrievalTasks, example_rng
 from ..errors import UserError
 from .heatmap import Grid, length_label, plot_grids
 from .scoring import ValidationLoss, exact_match, validation_loss
@@ -145,7 +145,7 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     if opts.val_batches > 0:
         validation = _validation(model, cfg, loaded.tokenizer, opts.val_batches, device)
         if validation is None:
-            print("validation: the data source has no validation split (data.val_fraction=0)")
+            print(f"validation: skipped: {_no_validation_reason(cfg)}")
         else:
             print(f"validation: loss {validation.loss:.4f}, perplexity {validation.perplexity:.3f} "
                   f"({validation.batches} batches, {validation.tokens:,} tokens of {cfg.data.source})")
@@ -161,6 +161,9 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     for task, grid in grids.items():
         print(f"\n{task}: exact-match accuracy (rows: needle depth, columns: context length)")
         print(_table(grid))
+        for s in skipped:
+            if s["task"] == task:
+                print(f"skip at {length_label(s['length'])}: {s['reason']}")
         if task in selection:
             print(f"\n{task}: needle block selected at a query of the question "
                   "(share of layers x kv groups; forced blocks count)")
@@ -190,6 +193,26 @@ def _validation(model, cfg, tokenizer, n_batches: int, device: torch.device) -> 
     return validation_loss(model, data.val, device)
 
 
+def _no_validation_reason(cfg) -> str:
+    """Why the run's data gave no validation batch, and what to do about it."""
+    data, window = cfg.data, cfg.train.seq_len + 1
+    if data.val_fraction <= 0:
+        return ("the run's data.val_fraction is 0, so its data holds nothing out; evaluate with an override such as "
+                "data.val_fraction=0.05, or pass --val-batches 0")
+    if data.source == "shards":
+        from ..data.shards import load_meta
+
+        val = load_meta(data.path)["splits"].get("val", {})
+        documents, tokens = val.get("documents", 0), val.get("tokens", 0)
+        if not documents:
+            return (f"the shards in '{data.path}' hold no validation documents (nsa prepare held out none); prepare "
+                    "them again from at least 2 documents, or pass --val-batches 0")
+        return (f"the validation shards in '{data.path}' ({documents:,} documents, {tokens:,} tokens) hold no "
+                f"window of train.seq_len+1 = {window} tokens; prepare them again with a larger data.val_fraction, "
+                "or pass --val-batches 0")
+    return f"the {data.source} source gave no validation window of {window} tokens; pass --val-batches 0"
+
+
 def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: torch.device
                     ) -> tuple[list[dict], list[dict]]:
     rows: list[dict] = []
@@ -210,8 +233,11 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
                 examples = [tasks.example(task, length + 1, depth, example_rng(opts.seed, TASKS.index(task), length,
                                                                            round(depth * 10_000), s))
                             for depth in opts.depths for s in range(opts.samples)]
-            except ValueError as e:
-                skipped.append({"task": task, "length": length, "reason": f"too short ({e})"})
+            except ExampleTooShort as e:
+                # The example holds length + 1 tokens (the last one only a target), so it needs a context of one less.
+                skipped.append({"task": task, "length": length,
+                                "reason": f"too short (a {task} example needs a context of at least {e.needed - 1} "
+                                          f"tokens; give --lengths {e.needed - 1} or more)"})
                 bar.update(cell)
                 continue
             hits, selected, failure = _score(model, examples, opts.batch_tokens // length, device, bar.update)

@@ -14,19 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import reference
+from ..ops.api import resolve_backend
 from .cache import DenseLayerCache, NSALayerCache
 
 
 def _use_triton(backend: str, device: torch.device) -> bool:
-    from ..ops import triton as triton_backend
-
-    if backend not in ("auto", "reference", "triton"):
-        raise ValueError(f"unknown NSA backend {backend!r}; choose one of auto, reference, triton")
-    if backend == "auto":
-        return device.type == "cuda" and triton_backend.installed()
-    if backend == "triton" and not triton_backend.available(device):
-        raise ValueError(f"backend='triton' needs a CUDA device (got {device}) and the triton package")
-    return backend == "triton"
+    return resolve_backend(backend, device, seq_len=1) == "triton"
 
 
 def _as_positions(positions: torch.Tensor | int, batch: int, device) -> torch.Tensor:
@@ -37,6 +30,8 @@ def _as_positions(positions: torch.Tensor | int, batch: int, device) -> torch.Te
 
 def _masked_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim restricted to `valid`; all-zero weights where nothing is valid."""
+    if scores.shape[-1] == 0:  # a cache shorter than one compressed block has no compressed slot at all
+        return scores
     s = scores.masked_fill(~valid, float("-inf"))
     m = s.amax(-1, keepdim=True)
     p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))

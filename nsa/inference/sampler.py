@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import UserError
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    if temperature < 0:
-        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}; e.g. --temperature 0.8")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}; "
+                        "e.g. --temperature 0.8")
     if not 0 < top_p <= 1:
         raise UserError(f"top_p must be in (0, 1] (1 = off), got {top_p}; e.g. --top-p 0.95")
     if top_k < 0:

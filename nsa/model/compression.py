@@ -62,10 +62,13 @@ class BlockCompressor(nn.Module):
     def _on_triton(self, x: torch.Tensor) -> bool:
         """Whether the MLP runs as the Triton kernels for x (T >= block_len)."""
         from ..ops.api import resolve_backend
+
+        # The kernel module imports triton: reach it only once the backend says Triton runs here.
+        if self.kind != "mlp" or resolve_backend(self.backend, x.device, x.shape[1]) != "triton":
+            return False
         from ..ops.triton.compression import phi_mlp_supports
 
-        return (self.kind == "mlp" and resolve_backend(self.backend, x.device, x.shape[1]) == "triton"
-                and phi_mlp_supports(self.block_len, self.block_stride))
+        return phi_mlp_supports(self.block_len, self.block_stride)
 
 
 def compress_pair(first: BlockCompressor, second: BlockCompressor, x: torch.Tensor,

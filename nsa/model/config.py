@@ -85,6 +85,9 @@ class ModelConfig:
                 raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim ({self.head_dim}) must be even for RoPE")
+        for key in ("rope_theta", "norm_eps", "init_std"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key} must be > 0, got {getattr(self, key)}")
         if self.vocab_size < 0:
             raise ConfigError(f"model.vocab_size must be >= 0 (0 = from the tokenizer), got {self.vocab_size}")
         if self.attention == "nsa":

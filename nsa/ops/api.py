@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from . import reference
 from .validation import check_nsa_inputs, check_select_inputs
 
@@ -16,7 +17,10 @@ BACKENDS = ("auto", "reference", "triton")
 
 
 def resolve_backend(backend: str, device: torch.device, seq_len: int) -> str:
-    """The implementation `backend` means for inputs on `device` of seq_len tokens: 'triton' or 'reference'."""
+    """The implementation `backend` means for inputs on `device` of seq_len tokens: 'triton' or 'reference'.
+
+    Decided without importing triton or any kernel module, so the CPU path runs where triton is not installed.
+    """
     from . import triton as triton_backend
 
     if backend not in BACKENDS:
@@ -26,7 +30,8 @@ def resolve_backend(backend: str, device: torch.device, seq_len: int) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_backend.installed() else "reference"
     if not triton_backend.available(device):
-        raise ValueError(f"backend='triton' needs a CUDA device (got {device}) and the triton package")
+        raise ConfigError(f"model.nsa.backend=triton needs a CUDA device (got {device}) and the triton package; "
+                          "use model.nsa.backend=auto")
     return "triton"
 
 
