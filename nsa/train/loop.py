@@ -3,8 +3,9 @@
 Rules that keep multi-process runs from hanging: every rank takes the same path through
 every collective (setup errors are agreed on before anyone proceeds; logging steps, evaluation
 and checkpoints happen on all ranks at the same steps); the host syncs with the GPU only on
-logging steps; a non-finite loss or gradient norm on any rank is noticed by all ranks at the
-next logging step and stops them all with a checkpoint and a message.
+logging steps; a non-finite loss or gradient norm on any rank, a HALT file or a stop signal is
+agreed on by all ranks a fixed number of steps later (nsa.train.stop) and stops them all at the
+same step with a checkpoint and a message.
 """
 
 from __future__ import annotations
