@@ -183,7 +183,8 @@ def _resume(run_dir: Path, *overrides: str) -> int:
 @pytest.mark.parametrize("override,listed", [
     ("model.nsa.phi=mean", "model.nsa.phi 'mlp' -> 'mean'"),
     ("model.dim=96", "model.dim 64 -> 96"),
-    ("train.seq_len=32", "train.seq_len 48 -> 32"),
+    ("train.seed=7", "train.seed 1337 -> 7"),
+    ("data.tokenizer=gpt2", "data.tokenizer 'byte' -> 'gpt2'"),
 ])
 def test_resuming_with_a_change_that_shapes_the_model_or_data_is_refused(trained, capsys, override, listed):
     before = {p: p.read_bytes() for p in trained.rglob("*") if p.is_file()}
@@ -193,6 +194,14 @@ def test_resuming_with_a_change_that_shapes_the_model_or_data_is_refused(trained
     assert listed in err and "train.steps" not in err and len(err.strip().splitlines()) == 1
     after = {p: p.read_bytes() for p in trained.rglob("*") if p.is_file()}
     assert after == before  # config.yaml, metrics and checkpoints untouched
+
+
+def test_a_length_curriculum_resumes_one_run_at_a_longer_context(trained, capsys):
+    assert _resume(trained, "train.steps=8", "train.seq_len=96", "train.batch_size=3") == 0
+    assert "train.seq_len 48 -> 96, train.batch_size 4 -> 3" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(trained / "metrics.csv", newline="")))
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    assert [int(r["tokens"]) for r in rows[5:]] == [6 * 4 * 48, 6 * 4 * 48 + 3 * 96, 6 * 4 * 48 + 2 * 3 * 96]
 
 
 def test_resuming_with_a_new_learning_rate_applies_it_and_records_it(trained, capsys):

@@ -79,6 +79,9 @@ class WindowBatches:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._order = self._permutation(self.epoch)
+        if self.cursor > len(self._order):  # saved at another sequence length (a curriculum): its epoch is over
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
 
 
 class StreamBatches:

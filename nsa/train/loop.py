@@ -172,6 +172,8 @@ class Trainer:
         self.run_dir = run_dir
         self.tokens_per_step = t.batch_size * t.grad_accum * t.seq_len * info.world_size
         self.step = 0
+        self.tokens = 0
+        """Training tokens seen over the whole run (a length curriculum changes the tokens per step)."""
         self.bad_step = torch.full((), -1, dtype=torch.long, device=info.device)
         self.halt_path = self.run_dir / "HALT"
         self.data_wait_s = 0.0
@@ -183,7 +185,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def _rank_state(self) -> dict:
-        state = {"step": self.step, "scheduler": self.scheduler.state_dict(), "data": self.data.train.state_dict(),
+        state = {"step": self.step, "tokens": self.tokens, "scheduler": self.scheduler.state_dict(), "data": self.data.train.state_dict(),
                  "rng_cpu": torch.get_rng_state()}
         if self.info.device.type == "cuda":
             state["rng_cuda"] = torch.cuda.get_rng_state(self.info.device)
@@ -220,6 +222,7 @@ class Trainer:
                         f"{self.info.world_size} the data order continues from rank 0's position only approximately")
             state.pop("rng_cpu", None), state.pop("rng_cuda", None)
         self.step = int(state["step"])
+        self.tokens = int(state.get("tokens", self.step * self.tokens_per_step))
         self.scheduler.load_state_dict(state["scheduler"])
         self._load_data_position(state["data"], path, exact)
         if "rng_cpu" in state:
@@ -276,6 +279,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
+        self.tokens += self.tokens_per_step
         finite = torch.isfinite(total) & torch.isfinite(norm)
         self.bad_step = torch.where(~finite & (self.bad_step < 0), self.step, self.bad_step)
         return total, norm
@@ -411,7 +415,7 @@ class Trainer:
         tok_s = (step - window[1]) * self.tokens_per_step / seconds
         mem_gb = peak_memory_gb(info.device, self.parallel.cudagraphs) if info.device.type == "cuda" else None
         data_wait, self.data_wait_s = min(1.0, self.data_wait_s / seconds), 0.0
-        row = {"step": step, "tokens": step * self.tokens_per_step, "loss": loss_value, "val_loss": None,
+        row = {"step": step, "tokens": self.tokens, "loss": loss_value, "val_loss": None,
                "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm.item(), "tokens_per_s": tok_s,
                "elapsed_s": now - start, "mem_gb": mem_gb, "data_wait": data_wait}
         if evaluate:

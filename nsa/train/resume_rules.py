@@ -3,7 +3,9 @@
 Keys that shape the model or the data stream are fixed: the weights, the optimizer state and the saved data
 position only mean something for the config that made them. Everything else (the length of the run and its
 schedule, the optimizer's hyper-parameters, logging, checkpoints, parallelism, kernels, telemetry) takes effect
-from the resumed step as written, and the run's config.yaml and heartbeat record the change.
+from the resumed step as written, and the run's config.yaml and heartbeat record the change. So does the shape of
+the batches (sequence length, batch size, accumulation, mixed retrieval lengths): a length curriculum resumes one
+run at a longer context, and its stream continues from the saved position in the new shape.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from typing import Any
 FIXED = "fixed"
 APPLIED = "applied"
 
-_FIXED_PREFIXES = ("model.", "data.", "train.seq_len", "train.batch_size", "train.grad_accum", "train.seed")
+_FIXED_PREFIXES = ("model.", "data.", "train.seed")
 _APPLIED_EXCEPTIONS = (
     "model.dense_backend",  # which kernel computes dense attention, not what it computes
     "model.nsa.backend",
     "model.init_std",  # used only to initialise weights, which the checkpoint replaces
     "data.prefetch",
     "data.first_batch_timeout_s",
+    "data.retrieval.mix_lengths",  # the batch shape of a length curriculum, like train.seq_len
 )
 
 _RUN_IDENTITY = ("train.out_dir", "train.run_name", "checkpoint.resume")
