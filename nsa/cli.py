@@ -78,9 +78,9 @@ def _cmd_export(ns: argparse.Namespace) -> int:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from .inference.generate import generate_text, load_for_inference
 
-    generate_text(load_for_inference(ns.checkpoint, ns.device), ns.prompt, ns.max_new_tokens,
-                  temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, max_context=ns.max_context,
-                  compile=ns.compile)
+    loaded = load_for_inference(ns.checkpoint, ns.device)
+    generate_text(loaded.model, loaded.tokenizer, ns.prompt, ns.max_new_tokens,
+                  context=ns.max_context or loaded.context, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, compile=ns.compile)
     return 0
 
 

@@ -27,9 +27,9 @@ from ..config import RunConfig
 from ..data.loader import Data, build_data
 from ..data.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
 from ..errors import Interrupted, UserError
+from ..inference.generate import generate_text
 from ..model import Transformer
 from ..model.attention import check_dense_backend
-from ..model.sampling import sample
 from ..telemetry import health
 from ..telemetry.gate_watch import GateWatch
 from ..telemetry.run_log import RunLog
@@ -84,6 +84,10 @@ def autocast_context(precision: str, device: torch.device):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
+
+SAMPLE_TEMPERATURE = 0.8
+SAMPLE_TOP_K = 50
+"""How the end-of-run sample draws its tokens (train.sample_tokens of them, seeded by train.seed)."""
 
 STEP_KINDS = {"eager": "eager", "compiled": "compiled", "graphs": "compiled, replayed as CUDA graphs"}
 
@@ -500,6 +504,21 @@ class Trainer:
         if note := fsdp_pace_note(self.mode, info.device.type):
             self._print(note)
 
+    def _sample(self) -> str:
+        """The end-of-run sample, streamed by rank 0: the prompt and its continuation. Every rank generates it
+        (under FSDP2 each forward is a collective), by full forwards over the last train.seq_len tokens, which
+        run whatever wraps the model."""
+        t = self.cfg.train
+        model = unwrap(self.model) if self.mode != "fsdp" else self.model
+        self._print("\n--- sample ---")
+        with uncompiled(model):
+            continuation = generate_text(
+                model, self.tokenizer, t.sample_prompt, t.sample_tokens, context=t.seq_len,
+                temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, seed=t.seed, cached=False,
+                write=None if self.info.is_main else _discard)  # None: stdout
+        self._print("--------------")
+        return t.sample_prompt + continuation
+
     def _evaluate_and_log(self, step: int, bar: tqdm) -> float | None:
         val_loss = self.evaluate()
         if val_loss is not None:
@@ -509,15 +528,11 @@ class Trainer:
 
     def _finish(self, result: TrainResult, resumed: Path | None, halted: Path | None, first_step: int,
                 start: float) -> TrainResult:
-        t, info = self.cfg.train, self.info
+        t = self.cfg.train
         ran = first_step < self.step or resumed is None
         result.checkpoint = halted or (self.save() if ran else resumed)
         if halted is None and t.sample_tokens > 0 and not self.signals.received:
-            model = unwrap(self.model) if self.mode != "fsdp" else self.model
-            with uncompiled(model):
-                result.sample = generate_text(model, self.tokenizer, t.sample_prompt, t.sample_tokens, t.seq_len,
-                                              info.device, t.seed)
-            self._print(f"\n--- sample ---\n{result.sample}\n--------------")
+            result.sample = self._sample()
         val_msg = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
         if result.first_loss is not None:
             self._print(f"done: step {self.step} in {time.perf_counter() - start:.0f}s, loss {result.first_loss:.4f} "
@@ -526,6 +541,10 @@ class Trainer:
         self._print(f"checkpoint: {result.checkpoint}\nmetrics: {self.run_dir / 'metrics.csv'}\n"
                     f"plots and a summary: nsa report {self.run_dir}")
         return result
+
+
+def _discard(text: str) -> None:
+    pass
 
 
 def _remember(result: TrainResult, row: dict) -> None:
@@ -556,12 +575,4 @@ def train(cfg: RunConfig) -> TrainResult:
         if folder is not None:
             folder.release()
         shutdown(info, finished)
-
-
-def generate_text(model, tokenizer, prompt: str, n_tokens: int, context: int, device, seed: int) -> str:
-    ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
-    prompt_ids = torch.as_tensor(ids, dtype=torch.long, device=device)[None]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = sample(model, prompt_ids, n_tokens, context=context, generator=gen)
-    return tokenizer.decode(out[0].tolist())
 
