@@ -201,12 +201,11 @@ def test_cuda_graphs_on_the_cpu_are_a_one_line_error(capsys, tmp_path):
 ])
 def test_cuda_graphs_refuse_what_they_cannot_replay(compile_, mode, device, message):
     from nsa.train.config import ParallelConfig
-    from nsa.train.parallel import check_cudagraphs
 
     cfg = ParallelConfig(compile=compile_, cudagraphs=True)
     with pytest.raises(UserError, match=message):
-        check_cudagraphs(cfg, mode, torch.device(device))
-    check_cudagraphs(ParallelConfig(compile=compile_, cudagraphs=False), mode, torch.device(device))
+        cfg.check_cudagraphs(mode, device)
+    ParallelConfig(compile=compile_, cudagraphs=False).check_cudagraphs(mode, device)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -232,7 +231,7 @@ def test_cuda_graph_settings_fail_at_load_before_any_launch_check(overrides, mes
     (False, "auto", "single", "cuda", (False, False)),
     ("auto", False, "ddp", "cuda", (True, False)),
     (True, "auto", "single", "cpu", (True, False)),
-    # Explicit settings are kept as asked (check_cudagraphs then refuses what cannot run).
+    # Explicit settings are kept as asked (ParallelConfig.check_cudagraphs then refuses what cannot run).
     ("auto", True, "fsdp", "cuda", (True, True)),
     ("auto", True, "single", "cpu", (False, True)),
 ])

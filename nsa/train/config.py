@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 
 
 @dataclass
@@ -101,12 +101,16 @@ class ParallelConfig:
         graphs = (compile_ and on_gpu and mode != "fsdp") if self.cudagraphs == "auto" else self.cudagraphs
         return replace(self, compile=compile_, cudagraphs=graphs)
 
-    def check_cudagraphs(self, mode: str) -> None:
-        """The CUDA-graph settings that the config alone decides, for `mode` (a launch mode or the resolved one).
-        Under FSDP2, whose blocks gather their parameters outside the compiled code, a step with graphs took 5.6x
-        longer than without (two H200s, RESULTS.md)."""
+    def check_cudagraphs(self, mode: str, device_type: str | None = None) -> None:
+        """Refuse CUDA-graph settings that cannot run, for `mode` (a launch mode or the resolved one) and, once
+        known, the device type. Graphs replay compiled code on a GPU, and not under FSDP2, whose blocks gather
+        their parameters outside the compiled code, so a replay could not hold a step. The device speaks first:
+        on a CPU 'auto' leaves compile off, and 'add parallel.compile=true' would not help."""
         if self.cudagraphs is not True:  # 'auto' never asks for what cannot run
             return
+        if device_type is not None and device_type != "cuda":
+            raise UserError(f"parallel.cudagraphs=true needs a CUDA device, not {device_type}: drop it or train on "
+                            "a GPU")
         if self.compile is False:
             raise ConfigError("parallel.cudagraphs=true replays compiled blocks: add parallel.compile=true")
         if mode == "fsdp":
