@@ -80,7 +80,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
     loaded = load_for_inference(ns.checkpoint, ns.device)
     generate_text(loaded.model, loaded.tokenizer, ns.prompt, ns.max_new_tokens,
-                  context=ns.max_context or loaded.context, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, compile=ns.compile)
+                  context=ns.max_context or loaded.context, temperature=ns.temperature, top_p=ns.top_p,
+                  top_k=ns.top_k, seed=ns.seed, compile=ns.compile)
     return 0
 
 
@@ -170,7 +171,7 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench_plot(ns: argparse.Namespace) -> int:
-    from .bench.plot import plot_file
+    from .plots.bench import plot_file
 
     print(f"wrote {plot_file(ns.results, ns.out)}")
     return 0

@@ -16,7 +16,7 @@ from nsa.errors import UserError
 from nsa.model import Transformer
 from nsa.model.config import ModelConfig
 from nsa.train import checkpoint
-from nsa.telemetry.report import read_jsonl as read_events
+from nsa.telemetry.run_files import read_jsonl as read_events
 from nsa.train.loop import train
 from nsa.typed_config import from_dict
 

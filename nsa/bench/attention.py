@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..ops import nsa_attention
 from ..ops.geometry import num_compressed_blocks
+from ..plots.bench import picture
 from .common import environment, format_table, graphed, print_row, time_cuda, write_results
-from .plot import picture
 
 SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128)}
 """name: (query heads, key/value heads, Dk, Dv)."""

@@ -18,10 +18,10 @@ import torch
 from ..config import load_config
 from ..errors import UserError
 from ..model.attention import SDPA_BACKENDS
+from ..plots.bench import dense_references, picture, ratio_column
 from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
 from ..train.loop import Trainer, step_kind
 from .common import environment, format_table, print_row, profile_to_file, write_results
-from .plot import dense_references, picture, ratio_column
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 datasheet peaks used for MFU (override with --peak-tflops)."""

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from ..data.retrieval import TASKS, ExampleTooShort, RetrievalTasks, example_rng
 from ..errors import UserError
-from .heatmap import Grid, length_label, plot_grids
+from ..plots.retrieval import plot_grids
+from .grid import Grid, length_label
 from .scoring import ValidationLoss, exact_match, validation_loss
 from .selection import needle_selected, nsa_layers, record_selection
 
