@@ -112,7 +112,7 @@ def open_run_folder(cfg: RunConfig, info: DistInfo) -> RunFolder:
     """The run folder, claimed by rank 0 (named, created and locked for this launch) and shared with the others;
     if rank 0 cannot claim it, every rank stops with its message."""
     default = f"{cfg.model.attention}-{time.strftime('%Y%m%d-%H%M%S')}"
-    folder = _agreed(info, lambda: claim_run_folder(Path(cfg.train.out_dir), cfg.train.run_name, default)
+    folder = _agreed_across_ranks(info, lambda: claim_run_folder(Path(cfg.train.out_dir), cfg.train.run_name, default)
                      if info.is_main else None)
     if info.distributed:
         shared = [str(folder.path) if folder else None]
@@ -123,7 +123,7 @@ def open_run_folder(cfg: RunConfig, info: DistInfo) -> RunFolder:
     return folder
 
 
-def _agreed(info: DistInfo, build):
+def _agreed_across_ranks(info: DistInfo, build):
     """Run `build` on every rank; if it fails anywhere, every rank raises (nobody waits in a collective)."""
     error = None
     try:
@@ -160,10 +160,10 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         use_deterministic_algorithms(t.deterministic)
         torch.manual_seed(t.seed)  # the same initial weights on every rank
-        self.tokenizer = _agreed(info, lambda: get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path))
+        self.tokenizer = _agreed_across_ranks(info, lambda: get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path))
         self.cfg = cfg = resolve_vocab(cfg, self.tokenizer)
         check_same_config(to_dict(cfg), info)
-        self.data: Data = _agreed(info, lambda: build_data(
+        self.data: Data = _agreed_across_ranks(info, lambda: build_data(
             cfg.data, self.tokenizer, t.seq_len, t.batch_size, t.eval_batches, t.seed, info.rank, info.world_size))
         self.data.train.pin_for(info.device)
         check_dense_backend(cfg.model, info.device, torch.bfloat16 if self.bf16 else torch.float32)
@@ -465,7 +465,7 @@ class Trainer:
                         row = self._log_step(step, loss, norm, window, start, bar, evaluate=do_eval and not stop,
                                              is_last=is_last or stop)
                         window = (time.perf_counter(), step)
-                        _remember(result, row)
+                        _record_logged_row(result, row)
                     if stop:
                         bar.close()
                         if decision.signal:
@@ -547,7 +547,7 @@ def _discard(text: str) -> None:
     pass
 
 
-def _remember(result: TrainResult, row: dict) -> None:
+def _record_logged_row(result: TrainResult, row: dict) -> None:
     result.losses[row["step"]] = result.last_loss = row["loss"]
     result.first_loss = row["loss"] if result.first_loss is None else result.first_loss
     result.val_loss = row["val_loss"] if row["val_loss"] is not None else result.val_loss
