@@ -13,7 +13,8 @@ from .storage import os_error_message
 
 EVAL_LENGTHS = "4096,8192,16384,32768,65536"
 EVAL_DEPTHS = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1"
-CONFIG_HELP = "a YAML file (e.g. configs/m7c.yaml) or a preset name from configs/ (tiny, m7c)"
+CONFIG_HELP = ("a YAML file (e.g. configs/m7c.yaml) or a preset name from configs/: tiny (the defaults, a small NSA "
+               "model for a CPU) or m7c (the 125M-parameter reference model, docs/design.md#m7c)")
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -36,7 +37,8 @@ def _bench_config(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _find_config(name: str | None) -> str | None:
-    """Accept a path, or a bare preset name looked up in ./configs and the source tree's configs/."""
+    """Accept a path, or a bare preset name looked up in ./configs and the source tree's configs/ (the presets:
+    tiny.yaml, the defaults; m7c.yaml, M7C, the 125M-parameter reference model of docs/design.md#m7c)."""
     if name is None or Path(name).exists() or name.endswith((".yaml", ".yml")):
         return name
     for folder in (Path("configs"), Path(__file__).resolve().parent.parent / "configs"):

@@ -110,12 +110,15 @@ def _validate_nsa(c: NSAConfig) -> None:
 
 
 def tiny() -> ModelConfig:
-    """A CPU-friendly NSA model (~0.8M parameters with the byte vocabulary)."""
+    """The default model (docs/design.md#tiny): a small NSA model that trains on a CPU in minutes."""
     return ModelConfig()
 
 
 def m7c() -> ModelConfig:
-    """M7C: 12 layers, dim 768, 12 query / 2 kv heads of 64, NSA 32/16/64/16/512, GPT-2 vocabulary."""
+    """M7C, the reference model (docs/design.md#m7c): a 125M-parameter LLaMA-style decoder with NSA in every
+    layer. Width 768, 12 layers, 12 query heads over 2 key/value heads of dim 64, SwiGLU hidden 2048; NSA with
+    l = 32, d = 16, l' = 64, n = 16, w = 512; the GPT-2 vocabulary (50,257 tokens) padded to 50,304 rows.
+    configs/m7c.yaml trains it at sequence length 2048."""
     return ModelConfig(
         vocab_size=50304,
         dim=768,
