@@ -359,5 +359,5 @@ def test_training_flops_count_attention_keys_per_query():
     dense = dataclasses.replace(cfg, model=dataclasses.replace(m7c(), attention="dense"))
     sparse = dataclasses.replace(cfg, model=m7c())
     assert attention_keys_per_query(dense, 32768) == 16384
-    # 32k: ~1024 compressed (on average) + 16 x 64 selected + 512 window, the ratio of DESIGN.md section 5.
+    # 32k: ~1024 compressed (on average) + 16 x 64 selected + 512 window, the ratio of docs/performance.md.
     assert attention_keys_per_query(sparse, 32768) == pytest.approx(1023 + 1024 + 512, abs=1)

@@ -42,10 +42,10 @@ class ModelConfig:
     attention: Literal["nsa", "dense"] = "nsa"
     """'nsa' for Native Sparse Attention; 'dense' for causal SDPA, the baseline."""
     dense_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
-    """SDPA kernel of the dense model's attention in training: 'auto' lets PyTorch choose (cuDNN's on an H100 with
-    torch 2.11); 'flash' is FlashAttention-2, the dense reference DESIGN.md section 5 names. A kernel that cannot
-    run the model's attention stops the run with an error naming this key. A checkpoint loaded for generation or
-    evaluation goes back to 'auto' (the kernel is the training machine's, not the model's)."""
+    """SDPA kernel of the dense model's attention in training: 'auto' lets PyTorch choose for the GPU; 'flash' is
+    FlashAttention-2, the dense reference of docs/performance.md. A kernel that cannot run the model's attention
+    stops the run with an error naming this key. A checkpoint loaded for generation or evaluation goes back to
+    'auto' (the kernel is the training machine's, not the model's)."""
     vocab_size: int = 0
     """Embedding rows; 0 takes the tokenizer's vocabulary padded up to a multiple of 64."""
     dim: int = 128

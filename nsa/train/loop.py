@@ -49,8 +49,8 @@ from .stop import StopDecision, StopRequests
 
 def peak_memory_gb(device: torch.device, cudagraphs: bool) -> float:
     """Peak GPU memory since the previous call, in GiB: allocated, or under parallel.cudagraphs reserved. A replay
-    draws on its graph's private memory pool, which the allocated count does not see: with graphs on, the peak
-    allocated read 0.22 GB on a run whose first steps, before the graphs were recorded, read 7.2 GB."""
+    draws on its graph's private memory pool, which the allocated count does not see, so with graphs on it would
+    report a small fraction of what the step holds."""
     peak = torch.cuda.max_memory_reserved(device) if cudagraphs else torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     return peak / 2**30
@@ -101,7 +101,7 @@ def step_kind(parallel: ParallelConfig) -> str:
 
 def fsdp_pace_note(mode: str, device_type: str) -> str | None:
     """The banner's note for FSDP2 on a GPU, whose steps replay no CUDA graphs (ParallelConfig.check_cudagraphs):
-    at M7C's 8 x 2048 a GPU two GPUs under FSDP2 trained at half one GPU's graphed rate (benchmarks/RESULTS.md)."""
+    where the host sets the pace, a model that fits one GPU trains faster under DDP with graphs than sharded."""
     if mode != "fsdp" or device_type != "cuda":
         return None
     return ("note: FSDP2 replays no CUDA graphs, so with few sequences per GPU the host sets the pace; a model that "
