@@ -13,7 +13,8 @@ from .storage import os_error_message
 
 EVAL_LENGTHS = "4096,8192,16384,32768,65536"
 EVAL_DEPTHS = "0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1"
-CONFIG_HELP = "a YAML file (e.g. configs/m7c.yaml) or a preset name from configs/ (tiny, m7c)"
+CONFIG_HELP = ("a YAML file (e.g. configs/m7c.yaml) or a preset name from configs/: tiny (the defaults, a small NSA "
+               "model for a CPU) or m7c (the 125M-parameter reference model, docs/design.md#m7c)")
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -36,7 +37,8 @@ def _bench_config(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _find_config(name: str | None) -> str | None:
-    """Accept a path, or a bare preset name looked up in ./configs and the source tree's configs/."""
+    """Accept a path, or a bare preset name looked up in ./configs and the source tree's configs/ (the presets:
+    tiny.yaml, the defaults; m7c.yaml, M7C, the 125M-parameter reference model of docs/design.md#m7c)."""
     if name is None or Path(name).exists() or name.endswith((".yaml", ".yml")):
         return name
     for folder in (Path("configs"), Path(__file__).resolve().parent.parent / "configs"):
@@ -78,9 +80,10 @@ def _cmd_export(ns: argparse.Namespace) -> int:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from .inference.generate import generate_text, load_for_inference
 
-    generate_text(load_for_inference(ns.checkpoint, ns.device), ns.prompt, ns.max_new_tokens,
-                  temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed, max_context=ns.max_context,
-                  compile=ns.compile)
+    loaded = load_for_inference(ns.checkpoint, ns.device)
+    generate_text(loaded.model, loaded.tokenizer, ns.prompt, ns.max_new_tokens,
+                  context=ns.max_context or loaded.context, temperature=ns.temperature, top_p=ns.top_p,
+                  top_k=ns.top_k, seed=ns.seed, compile=ns.compile)
     return 0
 
 
@@ -170,7 +173,7 @@ def _cmd_bench_train(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench_plot(ns: argparse.Namespace) -> int:
-    from .bench.plot import plot_file
+    from .plots.bench import plot_file
 
     print(f"wrote {plot_file(ns.results, ns.out)}")
     return 0
@@ -225,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=0, help="tokens the prompt plus the continuation may fill "
                    "(0: the checkpoint's train.seq_len)")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step first: on an H100 ~2x faster per token (M7C at 4k: 0.72 "
-                        "against 1.56 ms) after about a minute of compiling; for long or many generations")
+                   help="torch.compile the decode step first: its small kernels fuse, so each token is faster, "
+                        "after a compilation of about a minute; for long or many generations")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser(
@@ -319,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", type=_int_list, default="2048,8192,32768", help="comma-separated sequence lengths")
     p.add_argument("--attention", default="nsa,dense",
                    help="comma-separated: nsa, dense (SDPA's own kernel choice), dense:BACKEND (SDPA pinned to flash, "
-                   "cudnn, efficient or math; dense:flash is DESIGN.md's reference); NSA gets a ratio to each")
+                   "cudnn, efficient or math; dense:flash is docs/performance.md's reference); NSA gets a ratio to "
+                   "each")
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per micro-batch per rank")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
@@ -352,17 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser(
         "plot", help="redraw the picture of saved results (no GPU): speed-ups or tokens/s against length",
         description="Draws the PNG that nsa bench attention, decode and train write beside their CSV/JSON, from a "
-                    "saved JSON (e.g. one under benchmarks/history/).",
+                    "saved JSON.",
     )
     p.add_argument("results", help="a JSON file written by nsa bench attention, decode or train")
-    p.add_argument("--out", default=None, help="the PNG to write (default: RESULTS with .png)")
+    p.add_argument("--out", default=None, help="the PNG to write (default: the results file's name with .png)")
     p.set_defaults(func=_cmd_bench_plot)
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, taking CONFIG and key=value arguments after the flags too (argparse alone ends a
-    positional list at the first flag: `nsa bench train --steps 6 parallel.mode=ddp` was refused)."""
+    positional list at the first flag, and would refuse `nsa bench train --steps 6 parallel.mode=ddp`)."""
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or not hasattr(ns, "args")]

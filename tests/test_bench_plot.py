@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nsa.bench import plot
+from nsa.plots import bench as plot
 from nsa.bench.common import write_results
 from nsa.cli import main
 from nsa.errors import UserError

@@ -35,7 +35,7 @@ def test_tiny_yaml_is_the_default_run():
     assert load_config(str(CONFIGS / "tiny.yaml")) == load_config(None)
 
 
-def test_m7c_yaml_is_the_m7c_preset_with_the_seed_training_recipe():
+def test_m7c_yaml_is_the_m7c_preset_with_its_training_recipe():
     cfg = load_config(str(CONFIGS / "m7c.yaml"))
     assert cfg.model == m7c()
     t = cfg.train

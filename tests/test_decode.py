@@ -12,9 +12,8 @@ from nsa.cli import main
 from nsa.config import load_config
 from nsa.errors import UserError
 from nsa.inference import decode_attention, decode_step, new_cache, prefill
-from nsa.inference.generate import generate, generate_text, load_for_inference
+from nsa.inference.generate import generate, generate_text, generate_uncached, load_for_inference
 from nsa.model import ModelConfig, NSAConfig, Transformer
-from nsa.model.sampling import sample
 from nsa.ops import reference
 from nsa.ops.geometry import num_compressed_blocks
 from nsa.train.loop import train
@@ -239,7 +238,7 @@ def test_the_cache_refuses_to_overflow_and_prompts_must_fit():
 def test_greedy_generation_equals_argmax_of_full_forwards(attention):
     model = tiny_model(attention, seed=11)
     prompt = tokens_for(2, 7, seed=12)
-    want = sample(model, prompt, 40, context=1000, temperature=0)[:, 7:].tolist()
+    want = generate_uncached(model, prompt, 40, context=1000, temperature=0)
     assert generate(model, prompt, 40, temperature=0) == want
     assert generate(model, prompt[0].tolist(), 40, temperature=0) == want[:1]
     # top-k 1 and a vanishing top-p keep only the likeliest token: sampling reduces to greedy.
@@ -252,7 +251,7 @@ def test_contexts_shorter_than_one_compressed_block_generate_the_full_forwards_a
     # The cache holds prompt_len + new_tokens - 1 <= block_len tokens: at most one compressed slot, or none at all.
     model = tiny_model(seed=15)
     prompt = tokens_for(2, prompt_len, seed=16)
-    want = sample(model, prompt, new_tokens, context=1000, temperature=0)[:, prompt_len:].tolist()
+    want = generate_uncached(model, prompt, new_tokens, context=1000, temperature=0)
     assert generate(model, prompt, new_tokens, temperature=0) == want
 
 
@@ -299,15 +298,19 @@ def test_nsa_generate_streams_the_greedy_continuation_of_a_trained_checkpoint(ru
     loaded = load_for_inference(run_dir, "cpu")
     assert loaded.path.name == "step_00000005" and loaded.context == 64
     prompt = torch.as_tensor(loaded.tokenizer.encode(PROMPT))[None]
-    ids = sample(loaded.model, prompt, 24, context=64, temperature=0)[0, prompt.shape[1]:].tolist()
+    ids = generate_uncached(loaded.model, prompt, 24, context=64, temperature=0)[0]
     if loaded.tokenizer.eot_id in ids:
         ids = ids[: ids.index(loaded.tokenizer.eot_id)]
     continuation = loaded.tokenizer.decode(ids)
     assert printed == PROMPT + continuation + "\n"
 
     pieces = []
-    assert generate_text(loaded, PROMPT, 24, temperature=0, write=pieces.append) == continuation
+    assert generate_text(loaded.model, loaded.tokenizer, PROMPT, 24, context=loaded.context, temperature=0,
+                         write=pieces.append) == continuation
     assert pieces[0] == PROMPT and "".join(pieces) == printed and len(pieces) > 2  # streamed piece by piece
+    # Full forwards (the trainer's end-of-run sample) write the same greedy text.
+    assert generate_text(loaded.model, loaded.tokenizer, PROMPT, 24, context=loaded.context, temperature=0,
+                         write=lambda piece: None, cached=False) == continuation
 
 
 def test_nsa_generate_continues_a_two_token_prompt(run_dir, capsys):
@@ -318,7 +321,7 @@ def test_nsa_generate_continues_a_two_token_prompt(run_dir, capsys):
     loaded = load_for_inference(run_dir, "cpu")
     prompt = torch.as_tensor(loaded.tokenizer.encode("hi"))[None]
     assert prompt.shape[1] + 5 <= loaded.model.cfg.nsa.block_len
-    ids = sample(loaded.model, prompt, 5, context=64, temperature=0)[0, prompt.shape[1]:].tolist()
+    ids = generate_uncached(loaded.model, prompt, 5, context=64, temperature=0)[0]
     if loaded.tokenizer.eot_id in ids:
         ids = ids[: ids.index(loaded.tokenizer.eot_id)]
     assert printed == "hi" + loaded.tokenizer.decode(ids) + "\n"

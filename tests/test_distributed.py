@@ -14,7 +14,8 @@ import torch
 
 from nsa.cli import main
 from nsa.errors import UserError
-from nsa.telemetry.report import read_jsonl as read_events, render_report
+from nsa.telemetry.report import render_report
+from nsa.telemetry.run_files import read_jsonl as read_events
 
 TINY = [
     "model.n_layers=2", "model.dim=64", "model.head_dim=16", "model.mlp_hidden=128", "train.seq_len=64",
@@ -91,7 +92,7 @@ def test_two_rank_runs_leave_every_ranks_artifacts_and_a_report(mode, two_rank_r
         assert names[0] == "boot" and names[-1] == "done" and names.count("step") == 8, (rank, names)
         assert {e["rank"] for e in events} == {rank} and events[0]["world_size"] == 2
     assert json.loads((run / "env.json").read_text())["world_size"] == 2
-    stats = [json.loads(line) for line in (run / "nsa_stats.jsonl").read_text().splitlines()]
+    stats = read_events(run / "nsa_stats.jsonl")
     assert [s["step"] for s in stats] == list(range(1, 9))
     # Both ranks' probe sequences are counted: 2 ranks x 64 tokens, every token picks at least one block.
     assert sum(stats[0]["distance_counts"][0]) >= 2 * 64
@@ -103,7 +104,7 @@ def test_health_statistics_agree_between_ddp_and_fsdp(two_rank_runs):
     records = {}
     for mode, (run, proc) in two_rank_runs.items():
         assert proc.returncode == 0, proc.stderr[-3000:]
-        records[mode] = json.loads((run / "nsa_stats.jsonl").read_text().splitlines()[0])
+        records[mode] = read_events(run / "nsa_stats.jsonl")[0]
     for ddp, fsdp in zip(records["ddp"]["layers"], records["fsdp"]["layers"]):
         assert fsdp["gate_mean"] == pytest.approx(ddp["gate_mean"], abs=1e-5)
         assert fsdp["gate_std"] == pytest.approx(ddp["gate_std"], abs=1e-5)

@@ -11,9 +11,8 @@ import pytest
 import yaml
 
 from nsa.errors import UserError
-from nsa.telemetry.report import (
-    gate_warnings, layer_series, load_run, render_report, stale_ranks, summary_markdown,
-)
+from nsa.telemetry.report import gate_warnings, render_report, stale_ranks, summary_markdown
+from nsa.telemetry.run_files import layer_series, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

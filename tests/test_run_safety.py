@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from nsa.cli import main
-from nsa.telemetry.report import read_jsonl as read_events
+from nsa.telemetry.run_files import read_jsonl as read_events
 from nsa.train import checkpoint
 from nsa.train.optim import lr_factor
 from nsa.train.config import TrainConfig

@@ -14,8 +14,8 @@ import torch
 from nsa.config import load_config
 from nsa.telemetry.gate_watch import GateWatch
 from nsa.telemetry.heartbeat import Heartbeat
-from nsa.telemetry.report import read_jsonl as read_events
 from nsa.telemetry.report import render_report
+from nsa.telemetry.run_files import read_jsonl as read_events
 from nsa.telemetry.watchdog import Watchdog
 from nsa.train import checkpoint
 from nsa.train.loop import Trainer, train
@@ -46,7 +46,7 @@ def test_a_tiny_run_leaves_complete_artifacts_and_a_report(tmp_path):
     names = [e["event"] for e in events(run)]
     assert names[0] == "boot" and names[-1] == "done"
     assert names.count("step") == 5 and names.count("eval") == 2 and names.count("checkpoint") == 1
-    stats = [json.loads(line) for line in (run / "nsa_stats.jsonl").read_text().splitlines()]
+    stats = read_events(run / "nsa_stats.jsonl")
     assert [s["step"] for s in stats] == [1, 5, 10, 15, 20] and len(stats[0]["layers"]) == 2
     assert all(abs(sum(layer["gate_mean"]) - 1.5) < 0.5 for layer in stats[-1]["layers"])  # gates start near 0.5
     assert list((run / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"

@@ -16,7 +16,7 @@ from nsa.errors import UserError
 from nsa.model import Transformer
 from nsa.model.config import ModelConfig
 from nsa.train import checkpoint
-from nsa.telemetry.report import read_jsonl as read_events
+from nsa.telemetry.run_files import read_jsonl as read_events
 from nsa.train.loop import train
 from nsa.typed_config import from_dict
 
@@ -201,12 +201,11 @@ def test_cuda_graphs_on_the_cpu_are_a_one_line_error(capsys, tmp_path):
 ])
 def test_cuda_graphs_refuse_what_they_cannot_replay(compile_, mode, device, message):
     from nsa.train.config import ParallelConfig
-    from nsa.train.parallel import check_cudagraphs
 
     cfg = ParallelConfig(compile=compile_, cudagraphs=True)
     with pytest.raises(UserError, match=message):
-        check_cudagraphs(cfg, mode, torch.device(device))
-    check_cudagraphs(ParallelConfig(compile=compile_, cudagraphs=False), mode, torch.device(device))
+        cfg.check_cudagraphs(mode, device)
+    ParallelConfig(compile=compile_, cudagraphs=False).check_cudagraphs(mode, device)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -232,7 +231,7 @@ def test_cuda_graph_settings_fail_at_load_before_any_launch_check(overrides, mes
     (False, "auto", "single", "cuda", (False, False)),
     ("auto", False, "ddp", "cuda", (True, False)),
     (True, "auto", "single", "cpu", (True, False)),
-    # Explicit settings are kept as asked (check_cudagraphs then refuses what cannot run).
+    # Explicit settings are kept as asked (ParallelConfig.check_cudagraphs then refuses what cannot run).
     ("auto", True, "fsdp", "cuda", (True, True)),
     ("auto", True, "single", "cpu", (False, True)),
 ])
@@ -360,5 +359,5 @@ def test_training_flops_count_attention_keys_per_query():
     dense = dataclasses.replace(cfg, model=dataclasses.replace(m7c(), attention="dense"))
     sparse = dataclasses.replace(cfg, model=m7c())
     assert attention_keys_per_query(dense, 32768) == 16384
-    # 32k: ~1024 compressed (on average) + 16 x 64 selected + 512 window, the ratio of DESIGN.md section 5.
+    # 32k: ~1024 compressed (on average) + 16 x 64 selected + 512 window, the ratio of docs/performance.md.
     assert attention_keys_per_query(sparse, 32768) == pytest.approx(1023 + 1024 + 512, abs=1)

@@ -32,9 +32,8 @@ MODEL_WITHOUT_TRITON = BLOCK_TRITON + textwrap.dedent("""
     import torch
 
     from nsa.errors import ConfigError
-    from nsa.inference.generate import generate
+    from nsa.inference.generate import generate, generate_uncached
     from nsa.model import Transformer, tiny
-    from nsa.model.sampling import sample
     from nsa.ops.api import resolve_backend
     from nsa.ops.triton import installed
     from nsa.telemetry.health import probe
@@ -51,7 +50,7 @@ MODEL_WITHOUT_TRITON = BLOCK_TRITON + textwrap.dedent("""
         assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters()), phi
         model.eval()
         with torch.no_grad():
-            want = sample(model, tokens[:1, :20], 12, context=64, temperature=0)[0, 20:].tolist()
+            want = generate_uncached(model, tokens[0, :20], 12, context=64, temperature=0)[0]
         assert generate(model, tokens[0, :20].tolist(), 12, temperature=0) == [want], phi
         assert probe(model, tokens[:1, :40])["gate_count"].sum() > 0, phi
     try:

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..ops import nsa_attention
 from ..ops.geometry import num_compressed_blocks
+from ..plots.bench import picture
 from .common import environment, format_table, graphed, print_row, time_cuda, write_results
-from .plot import picture
 
 SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128)}
 """name: (query heads, key/value heads, Dk, Dv)."""
@@ -72,8 +72,8 @@ def _nsa(ins):
 
 
 DENSE_BACKENDS = ("flash", "cudnn")
-"""Dense references: SDPA's flash backend (FlashAttention-2; DESIGN.md's measure) and cuDNN's attention, which
-PyTorch picks by default on Hopper and which a dense model's training step runs (1.5-1.8x faster than flash on an H100)."""
+"""Dense references: SDPA's flash backend (FlashAttention-2, the reference of docs/performance.md) and cuDNN's
+attention, which PyTorch picks by default on Hopper and which a dense model's training step then runs."""
 
 
 def _dense_inputs(ins) -> list[torch.Tensor]:
@@ -252,8 +252,7 @@ SWEEP = {
     "dkdv_warps": [8],
     "dkdv_stages": [3],
     "dkdv_block_n+dkdv_block_m+dkdv_warps+dkdv_stages": [(128, 32, 4, 3), (32, 128, 4, 2), (64, 64, 4, 3)],
-    # Compiled offline for sm_90 (benchmarks/offline_compile.py) the defaults spill ~450 B and these next to none, yet
-    # measured slower (H100, tenth session: 64k 22.2 -> 25.1 / 30.3 ms).
+    # Settings that spill fewer registers than the defaults on sm_90: the sweep shows whether that pays.
     "dkdv_block_n+dkdv_block_m+dkdv_warps": [(128, 64, 8), (64, 64, 8)],
     "sel_block_r": [32, 128],
     "sel_warps": [8],

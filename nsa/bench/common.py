@@ -180,8 +180,7 @@ def graphed(fn: Callable[[], object], use_graph: bool = True) -> Callable[[], ob
 
     def replay(fn: Callable[[], object] = fn) -> None:
         # The graph reads fn's inputs where they were at capture: holding fn (and what its closure holds) keeps
-        # them from being freed and overwritten while the replay exists. item_order.py's first form lost its
-        # index this way (benchmarks/RESULTS.md, thirty-first session).
+        # them from being freed and overwritten while the replay exists.
         graph.replay()
 
     return replay

@@ -25,8 +25,8 @@ from ..inference.cache import new_cache
 from ..inference.decode import prefill
 from ..inference.graphed import GraphedDecoder
 from ..model import Transformer
+from ..plots.bench import picture
 from .common import environment, format_table, graphed, print_row, profile_to_file, write_results
-from .plot import picture
 
 
 PROFILE_STEPS = 5

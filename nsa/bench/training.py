@@ -18,10 +18,10 @@ import torch
 from ..config import load_config
 from ..errors import UserError
 from ..model.attention import SDPA_BACKENDS
+from ..plots.bench import dense_references, picture, ratio_column
 from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
 from ..train.loop import Trainer, step_kind
 from .common import environment, format_table, print_row, profile_to_file, write_results
-from .plot import dense_references, picture, ratio_column
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 datasheet peaks used for MFU (override with --peak-tflops)."""
@@ -70,7 +70,7 @@ def step_times_s(step, steps: int) -> list[float]:
     on logging steps, and lets it run two steps ahead), timed by CUDA events recorded between the steps.
 
     Timing each step from the host with a sync after it would leave the GPU idle while the next step's first
-    kernels are launched: 5-12 ms of an M7C step at 2k that a training run does not spend.
+    kernels are launched, time that a training run does not spend.
     """
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     marks[0].record()
@@ -98,7 +98,7 @@ PROGRESS_COLUMNS = ["attention", "seq_len", "batch_per_rank", "ranks", "tokens_p
 
 def model_overrides(attention: str) -> list[str]:
     """The model keys of one row's label: 'nsa', 'dense' (SDPA's own choice of kernel) or 'dense:BACKEND' (SDPA
-    pinned to model.dense_backend=BACKEND, e.g. dense:flash, the reference DESIGN.md section 5 names)."""
+    pinned to model.dense_backend=BACKEND, e.g. dense:flash, the reference of docs/performance.md)."""
     kind, _, backend = attention.partition(":")
     if kind == "nsa" and not backend:
         return ["model.attention=nsa"]

@@ -26,19 +26,19 @@ class RetrievalConfig:
     """Up to this many filler tokens after the answer (a uniform number per example), so that the question does not
     always end where the sequence does. NSA's compression and selection blocks are fixed to positions: trained
     with 0 at one length, a model sees its question at one place of that grid in every example and may depend
-    on it (on an H100, moving it one token halved NSA's exact match at 16k). A selection block's length
-    (model.nsa.sel_block) covers every offset. The loss ignores the tail under loss='answer'."""
+    on it, failing when the question moves by a token. A selection block's length (model.nsa.sel_block) covers
+    every offset. The loss ignores the tail under loss='answer'."""
     depth_ends: float = 0.0
     """Share of training examples whose needle goes to depth 0 or 1 exactly (half each; the rest uniform).
-    A uniform depth almost never puts the needle right before the question at long lengths (about 1 example
-    in 1,000 at 16k), and models trained so lose that case: on an H100 both NSA and dense scored 0-50% at
-    depth 1 from 16k on while scoring 75-100% at every other depth. `nsa eval` always scores depths 0 and 1."""
+    A uniform depth almost never puts the needle right before the question at long lengths, and models trained
+    so fail that case (NSA and dense alike) while passing every other depth. `nsa eval` always scores depths 0
+    and 1."""
     mix_lengths: list[int] = field(default_factory=list)
     """More example lengths trained alongside train.seq_len, e.g. [32768, 65536]: each step draws one of
     train.seq_len and these (uniformly, the same on every rank) and holds batch_size * seq_len / length examples
     of it, so every step has the same tokens. Each must divide batch_size * seq_len. Validation stays at
-    train.seq_len. A curriculum of one length at a time lets a model settle on the shorter length first, and
-    the step to twice that length then failed in one NSA run of two on an H100 (benchmarks/RESULTS.md)."""
+    train.seq_len. With one length at a time a model settles on the shorter length first and may lose the
+    task at the step to the next; drawing the lengths per step keeps every one of them in training."""
 
 
 @dataclass

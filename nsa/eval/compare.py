@@ -1,8 +1,8 @@
 """`nsa compare`: several runs side by side, the evidence that NSA learns.
 
 - loss.png: training and validation loss of every run against tokens seen;
-- the final validation losses, their mean and spread per attention kind (several seeds), and the margin
-  between NSA and dense;
+- the final validation losses, their mean and spread per attention kind (runs of several train.seed values),
+  and the margin between NSA and dense;
 - retrieval_<task>.png: each run's `nsa eval` heatmap side by side (runs that have eval/eval.csv);
 - gates.png and a table: each NSA run's gate means per branch at its last nsa_stats.jsonl record, averaged
   over layers and per layer, whether all three branches are used, and the selection statistics.
@@ -10,29 +10,25 @@
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import UserError
-from ..telemetry.report import (
-    BRANCH_COLORS, BRANCHES, RunData, column, gate_warnings, human_count, layer_series, load_run, new_figure,
-    save_png,
-)
-from .heatmap import Grid, length_label, plot_grids
+from ..plots.compare import LossCurves, plot_losses
+from ..plots.gates import plot_final_gates
+from ..plots.retrieval import plot_grids
+from ..telemetry.report import gate_warnings, human_count
+from ..telemetry.run_files import BRANCH_NAMES, RunData, column, layer_series, load_run
+from .grid import Grid, length_label
 
 USED_GATE = 0.05
 """A branch counts as used when its gate mean, averaged over layers, is at least this (sigmoid gates start
 near 0.5; the report's collapse warning fires below 0.02)."""
-KIND_COLORS = {"nsa": ("tab:blue", "tab:cyan", "navy", "tab:purple"),
-               "dense": ("tab:orange", "tab:red", "tab:brown", "gold")}
-OTHER_COLORS = ("tab:green", "tab:olive", "tab:pink", "tab:gray")
 
 
 @dataclass
@@ -66,9 +62,17 @@ class RunSummary:
     tokens: float | None
     val_tokens: np.ndarray
     val_loss: np.ndarray
-    eval_rows: list[dict] = field(default_factory=list)
-    eval_meta: dict[str, Any] = field(default_factory=dict)
     gates: GateSummary | None = None
+
+    @property
+    def eval_rows(self) -> list[dict[str, Any]]:
+        """eval/eval.csv's rows; empty before `nsa eval` (its cells then read '-')."""
+        return self.data.eval_rows
+
+    @property
+    def eval_meta(self) -> dict[str, Any]:
+        """eval/eval.json; empty before `nsa eval`."""
+        return self.data.eval_summary
 
     @property
     def final_val(self) -> float | None:
@@ -89,35 +93,12 @@ def load_summary(run_dir: Path, name: str) -> RunSummary:
     train = run.config.get("train") if isinstance(run.config.get("train"), dict) else {}
     last = run.metrics[-1] if run.metrics else {}
     val_tokens, val_loss = column(run.metrics, "val_loss", x="tokens")
-    summary = RunSummary(
+    return RunSummary(
         name=name, data=run, attention=str(model.get("attention", "?")),
         seed=train.get("seed") if isinstance(train.get("seed"), int) else None,
         last_step=int(last["step"]) if last.get("step") is not None else None, tokens=last.get("tokens"),
-        val_tokens=val_tokens, val_loss=val_loss,
+        val_tokens=val_tokens, val_loss=val_loss, gates=gate_summary(run),
     )
-    eval_csv = run.run_dir / "eval" / "eval.csv"
-    if eval_csv.is_file():
-        summary.eval_rows = _read_eval_csv(eval_csv)
-    try:
-        meta = json.loads((run.run_dir / "eval" / "eval.json").read_text(encoding="utf-8"))
-        summary.eval_meta = meta if isinstance(meta, dict) else {}
-    except (OSError, ValueError):
-        pass  # no eval yet: its columns read '-'
-
-    summary.gates = gate_summary(run)
-    return summary
-
-
-def _read_eval_csv(path: Path) -> list[dict]:
-    rows = []
-    with open(path, newline="", encoding="utf-8") as f:
-        for raw in csv.DictReader(f):
-            try:
-                rows.append({"task": raw["task"], "length": int(raw["length"]), "depth": float(raw["depth"]),
-                             "samples": int(raw["samples"]), "accuracy": float(raw["accuracy"])})
-            except (KeyError, TypeError, ValueError):
-                continue  # a malformed row only removes a cell
-    return rows
 
 
 def gate_summary(run: RunData) -> GateSummary | None:
@@ -144,7 +125,7 @@ def _mean(values: list) -> float:
     return sum(numbers) / len(numbers) if numbers else math.nan
 
 
-def _names(run_dirs: list[Path]) -> list[str]:
+def _run_names(run_dirs: list[Path]) -> list[str]:
     """Folder names; where two runs share one, their parent folder's name is added."""
     names = [d.resolve().name for d in run_dirs]
     return [f"{d.resolve().parent.name}/{n}" if names.count(n) > 1 else n for d, n in zip(run_dirs, names)]
@@ -153,53 +134,19 @@ def _names(run_dirs: list[Path]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- plots
 
 
-def _colors(runs: list[RunSummary]) -> list[str]:
-    used: dict[str, int] = {}
-    out = []
+def loss_curves(runs: list[RunSummary]) -> list[LossCurves]:
+    """Every run's training and validation losses against tokens seen, labelled with its kind and seed."""
+    curves = []
     for r in runs:
-        palette = KIND_COLORS.get(r.attention, OTHER_COLORS)
-        out.append(palette[used.get(r.attention, 0) % len(palette)])
-        used[r.attention] = used.get(r.attention, 0) + 1
-    return out
-
-
-def plot_losses(runs: list[RunSummary], path: Path) -> Path | None:
-    """Training loss (left) and validation loss (right) of every run against tokens seen."""
-    if not any(column(r.data.metrics, "loss", x="tokens")[0].size for r in runs):
-        return None
-    fig = new_figure(12, 4.5)
-    ax_train, ax_val = fig.subplots(1, 2)
-    for r, color in zip(runs, _colors(runs)):
         label = f"{r.name} ({r.attention}" + (f", seed {r.seed})" if r.seed is not None else ")")
         tokens, loss = column(r.data.metrics, "loss", x="tokens")
-        ax_train.plot(tokens, loss, color=color, lw=1.2, label=label)
-        if r.val_tokens.size:
-            ax_val.plot(r.val_tokens, r.val_loss, "o-", color=color, ms=4, lw=1.2, label=label)
-    ax_train.set(xlabel="tokens seen", ylabel="loss (nats per token)", title="training loss")
-    ax_val.set(xlabel="tokens seen", ylabel="loss (nats per token)", title="validation loss")
-    for ax in (ax_train, ax_val):
-        ax.grid(alpha=0.3)
-    ax_train.legend(fontsize=8)
-    return save_png(fig, path)
+        curves.append(LossCurves(label, r.attention, tokens, loss, r.val_tokens, r.val_loss))
+    return curves
 
 
-def plot_gates(runs: list[RunSummary], path: Path) -> Path | None:
-    """Per NSA run: the gate mean of each branch per layer at the end of training."""
-    nsa = [r for r in runs if r.gates is not None]
-    if not nsa:
-        return None
-    fig = new_figure(max(5.0, 1.2 + 0.55 * max(len(r.gates.per_layer) for r in nsa)) * len(nsa), 3.6)
-    axes = np.atleast_1d(fig.subplots(1, len(nsa), squeeze=False)).ravel()
-    for ax, r in zip(axes, nsa):
-        layers = np.arange(len(r.gates.per_layer))
-        for b, (name, color) in enumerate(zip(BRANCHES, BRANCH_COLORS)):
-            ax.bar(layers + (b - 1) * 0.27, r.gates.per_layer[:, b], width=0.27, color=color, label=name)
-        ax.axhline(USED_GATE, color="0.4", lw=0.8, ls="--")
-        ax.set(xlabel="layer", ylabel="gate mean", ylim=(0, 1), xticks=layers,
-               title=f"{r.name}, step {r.gates.step}")
-        ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=8)
-    return save_png(fig, path)
+def final_gates(runs: list[RunSummary]) -> list[tuple[str, np.ndarray]]:
+    """(title, gate means per layer) of every NSA run at its last health record."""
+    return [(f"{r.name}, step {r.gates.step}", r.gates.per_layer) for r in runs if r.gates is not None]
 
 
 def retrieval_grids(runs: list[RunSummary]) -> dict[str, list[Grid]]:
@@ -235,16 +182,16 @@ def render_compare(run_dirs: list[Path], out: Path) -> Path:
     """Write compare.md and its PNGs into `out`; returns compare.md."""
     if not run_dirs:
         raise UserError("nsa compare needs at least one run folder")
-    runs = [load_summary(Path(d), name) for d, name in zip(run_dirs, _names([Path(d) for d in run_dirs]))]
+    runs = [load_summary(Path(d), name) for d, name in zip(run_dirs, _run_names([Path(d) for d in run_dirs]))]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     images = []
-    if plot_losses(runs, out / "loss.png") is not None:
+    if plot_losses(loss_curves(runs), out / "loss.png") is not None:
         images.append("loss.png")
     grids = retrieval_grids(runs)
     for task, task_grids in grids.items():
         plot_grids(task_grids, out / f"retrieval_{task}.png", title=f"{task}: exact-match accuracy")
-    if plot_gates(runs, out / "gates.png") is not None:
+    if plot_final_gates(final_gates(runs), USED_GATE, out / "gates.png") is not None:
         images.append("gates.png")
     # Images a previous comparison wrote and this one did not are removed: the folder shows one comparison.
     keep = set(images) | {f"retrieval_{t}.png" for t in grids}
@@ -263,7 +210,7 @@ def compare_markdown(runs: list[RunSummary], grids: dict[str, list[Grid]], image
     for r in runs:
         best = f"{float(r.val_loss.min()):.4f}" if r.val_loss.size else "-"
         parts.append(f"| {r.name} | {r.attention} | {_or_dash(r.seed, grouped=False)} | {_or_dash(r.last_step)} | "
-                     f"{human_count(r.tokens) if r.tokens is not None else '-'} | {_fmt(r.final_val)} | {best} | "
+                     f"{human_count(r.tokens) if r.tokens is not None else '-'} | {_number_or_dash(r.final_val)} | {best} | "
                      f"{_eval_validation(r.eval_meta)} |")
     parts += [""] + _validation_section(runs)
     if "loss.png" in images:
@@ -392,11 +339,11 @@ def _gate_section(runs: list[RunSummary], has_plot: bool) -> list[str]:
     for r in nsa:
         g = r.gates
         low_layer, low_branch = np.unravel_index(int(np.argmin(g.per_layer)), g.per_layer.shape)
-        lowest = f"{g.per_layer[low_layer, low_branch]:.3f} (layer {low_layer}, {BRANCHES[low_branch]})"
-        unused = [BRANCHES[b] for b in range(3) if g.mean[b] < USED_GATE]
+        lowest = f"{g.per_layer[low_layer, low_branch]:.3f} (layer {low_layer}, {BRANCH_NAMES[low_branch]})"
+        unused = [BRANCH_NAMES[b] for b in range(3) if g.mean[b] < USED_GATE]
         used = "yes" if g.all_used else f"no ({', '.join(unused)} below {USED_GATE})"
         lines.append(f"| {r.name} | {g.step} | {g.mean[0]:.3f} | {g.mean[1]:.3f} | {g.mean[2]:.3f} | {used} | "
-                     f"{lowest} | {_fmt(g.distance, 1)} | {_fmt(g.forced_share, 3)} | {_fmt(g.concentration, 3)} |")
+                     f"{lowest} | {_number_or_dash(g.distance, 1)} | {_number_or_dash(g.forced_share, 3)} | {_number_or_dash(g.concentration, 3)} |")
     lines.append("")
     for r in nsa:
         lines += [f"Per layer, {r.name} (step {r.gates.step}):", "", "| layer | compressed | selected | window |",
@@ -410,7 +357,7 @@ def _gate_section(runs: list[RunSummary], has_plot: bool) -> list[str]:
     return lines
 
 
-def _fmt(value: float | None, digits: int = 4) -> str:
+def _number_or_dash(value: float | None, digits: int = 4) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from ..data.retrieval import TASKS, ExampleTooShort, RetrievalTasks, example_rng
 from ..errors import UserError
-from .heatmap import Grid, length_label, plot_grids
+from ..plots.retrieval import plot_grids
+from .grid import Grid, length_label
 from .scoring import ValidationLoss, exact_match, validation_loss
 from .selection import needle_selected, nsa_layers, record_selection
 
@@ -65,7 +66,7 @@ class EvalResult:
 def parse_lengths(text: str) -> list[int]:
     """'4096,8192' -> [4096, 8192] (sorted, duplicates dropped); a UserError names the bad entry."""
     values = []
-    for part in _parts(text, "--lengths"):
+    for part in _comma_separated(text, "--lengths"):
         try:
             value = int(part)
         except ValueError:
@@ -79,7 +80,7 @@ def parse_lengths(text: str) -> list[int]:
 def parse_depths(text: str) -> list[float]:
     """'0,0.5,1' -> [0.0, 0.5, 1.0] (sorted, duplicates dropped); each in [0, 1]."""
     values = []
-    for part in _parts(text, "--depths"):
+    for part in _comma_separated(text, "--depths"):
         try:
             value = float(part)
         except ValueError:
@@ -95,7 +96,7 @@ def parse_tasks(text: str) -> list[str]:
     if text.strip() in ("", "none"):
         return []
     tasks = []
-    for part in _parts(text, "--tasks"):
+    for part in _comma_separated(text, "--tasks"):
         if part not in TASKS:
             raise UserError(f"--tasks: unknown task '{part}'; choose from {', '.join(TASKS)} (or none)")
         if part not in tasks:
@@ -103,7 +104,7 @@ def parse_tasks(text: str) -> list[str]:
     return tasks
 
 
-def _parts(text: str, option: str) -> list[str]:
+def _comma_separated(text: str, option: str) -> list[str]:
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise UserError(f"{option} needs a comma-separated list, got '{text}'")
@@ -156,7 +157,7 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     grids = _grids(rows, skipped, opts, title)
     selection = _grids(rows, skipped, opts, f"needle block selected, {title}", key="needle_selected")
     panels = {task: [grid] + ([selection[task]] if task in selection else []) for task, grid in grids.items()}
-    images = _write(out, rows, skipped, panels, _summary(path, cfg, model, device, step, name, validation, opts,
+    images = _write_outputs(out, rows, skipped, panels, _summary(path, cfg, model, device, step, name, validation, opts,
                                                          rows, skipped))
     for task, grid in grids.items():
         print(f"\n{task}: exact-match accuracy (rows: needle depth, columns: context length)")
@@ -372,7 +373,7 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
     }
 
 
-def _write(out: Path, rows: list[dict], skipped: list[dict], grids: dict[str, list[Grid]], summary: dict
+def _write_outputs(out: Path, rows: list[dict], skipped: list[dict], grids: dict[str, list[Grid]], summary: dict
            ) -> list[Path]:
     with open(out / "eval.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")

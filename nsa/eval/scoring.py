@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..inference.sampler import greedy
 from ..train.loop import autocast_context
 
 
@@ -50,7 +51,7 @@ def exact_match(model: nn.Module, tokens: torch.Tensor, answer_start: torch.Tens
     targets_at = torch.where(valid, answer_start[:, None] + offsets[None, :], answer_start[:, None])
     with autocast_context("auto", device):
         logits = answer_logits(model, tokens[:, :-1], targets_at - 1)
-    right = logits.argmax(-1) == tokens.gather(1, targets_at)
+    right = greedy(logits) == tokens.gather(1, targets_at)
     return (right | ~valid).all(-1)
 
 

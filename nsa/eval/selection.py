@@ -5,8 +5,8 @@ against the blocks that hold the needle.
 A retrieval miss then reads as one of two failures: no query of the question chose the needle's block (the
 compressed branch's scores did not rank it in the top n), or one did and the model still did not copy the
 answer. Every query of the question counts, not only the last: a model can fetch the key at the question's
-first words and carry it forward (trained models on an H100 answered 98-100% at 64k while the needle was
-selected at the last query by few layers). Forced blocks count as selected (block 0, and the query's own block
+first words and carry it forward, so a model may answer correctly while few layers select the needle at the
+last query. Forced blocks count as selected (block 0, and the query's own block
 and the one before it), so needles at depth 0 or right before the question are always selected.
 """
 

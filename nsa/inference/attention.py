@@ -1,7 +1,7 @@
 """Attention of one new query per sequence over a decode cache: the NSA branches and the dense baseline.
 
 `decode_attention` is the seam for a GPU decode kernel: same arguments, same results. It is
-the contract of DESIGN.md section 1 for a single query at position t (the math of
+the contract of docs/design.md#decoding for a single query at position t (the math of
 nsa.ops.reference, including its top-n tie-breaking), written with static shapes: every
 tensor is sized by the cache's capacity and masked by position, so a step can be captured
 in a CUDA graph. `reads` counts the key/value tokens behind the unmasked entries of what

@@ -1,6 +1,6 @@
 """Decode caches: per-layer state preallocated for a maximum length, so every shape is static.
 
-An NSA layer keeps each branch's own state (DESIGN.md section 1, Decode):
+An NSA layer keeps each branch's own state (docs/design.md#decoding):
 - `k`, `v` [S,B,L,G,D]: the raw RoPE'd keys and the values of each of the layer's S key/value
   sets (S = NSAAttention.n_kv_sets: 3 = one per branch in (cmp, sel, win) order, 1 = shared_kv).
   Branch c reads set c % S, exactly as NSAAttention.project assigns them. The selection may pick

@@ -56,8 +56,8 @@ def input_projections(fused: FusedWeights, x: torch.Tensor) -> list[torch.Tensor
 
 def gates_from(fused: FusedWeights, gate: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """GateMLP.finish(h) in at least float32, its second layer as a product and a sum over the hidden units: torch.compile
-    fuses that with the SiLU and the sigmoid into one kernel, where a matmul this small was a launch of its own
-    (~5 us a layer at decode batch sizes on an H100, plus the two around it)."""
+    fuses that with the SiLU and the sigmoid into one kernel, where a matmul this small would be a launch of its
+    own (at decode batch sizes the launches, not the arithmetic, set a step's time)."""
     if fused.gate_out is None:
         return gate.finish(h)
     logits = (F.silu(h.to(fused.gate_out.dtype))[..., :, None] * fused.gate_out).sum(-2)

@@ -1,5 +1,6 @@
-"""Generation with the decode cache: token ids (`generate`), text streamed from a trained checkpoint
-(`generate_text`), and rebuilding model + tokenizer from a checkpoint (`load_for_inference`)."""
+"""Generation: token ids with the decode cache (`generate`) or by full forward passes (`generate_uncached`),
+text streamed as it is produced (`generate_text`, behind `nsa generate` and the trainer's end-of-run sample), and
+rebuilding model + tokenizer from a checkpoint (`load_for_inference`)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def generate(
 
     on_token receives each step's tokens [B] as soon as they are chosen. A sequence that produces
     stop_id ends there (stop_id is kept); generation ends when every sequence has. compile: torch.compile
-    the decode step (same tokens; on an H100 about twice as fast per token after about a minute of compiling).
+    the decode step first (the same tokens; the step's many small kernels fuse, which pays back the
+    compilation time over long or many generations).
     """
     check_sampling(temperature, top_p, top_k)
     device = next(model.parameters()).device
@@ -122,6 +124,46 @@ def generate(
     finally:
         model.train(was_training)
     return out
+
+
+@torch.no_grad()
+def generate_uncached(
+    model: nn.Module,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
+    max_new_tokens: int,
+    *,
+    context: int,
+    temperature: float = 0.8,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    on_token: Callable[[torch.Tensor], None] | None = None,
+) -> list[list[int]]:
+    """The new tokens of each prompt (one prompt, or a batch of one length) by one full forward pass per token
+    over the last `context` tokens at most (older ones slide out).
+
+    Slower than `generate`, but it needs nothing of the model beyond its forward, so it also runs a model
+    sharded by FSDP2, whose forward is a collective: it always runs max_new_tokens forwards (no stop token),
+    so every rank that calls it alike stays in step.
+    """
+    check_sampling(temperature, top_p, top_k)
+    device = next(model.parameters()).device
+    tokens, lengths = _pad_prompts(prompt_ids, device)
+    if bool((lengths != tokens.shape[1]).any()):
+        raise ValueError(f"generate_uncached takes prompts of one length, got {lengths.tolist()}")
+    generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    was_training = model.training
+    model.eval()
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(tokens[:, -context:])[:, -1]
+            token = next_token(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+            if on_token is not None:
+                on_token(token)
+            tokens = torch.cat([tokens, token[:, None]], dim=1)
+    finally:
+        model.train(was_training)
+    return tokens[:, lengths[0]:].tolist()
 
 
 DEFAULT_NEW_TOKENS = 200
@@ -152,33 +194,44 @@ def _write_stdout(text: str) -> None:
 
 
 def generate_text(
-    loaded: LoadedModel,
+    model: nn.Module,
+    tokenizer,
     prompt: str,
     max_new_tokens: int | None = None,
     *,
+    context: int,
     temperature: float = 0.8,
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
-    max_context: int = 0,
     write: Callable[[str], None] | None = None,
     compile: bool = False,
+    cached: bool = True,
 ) -> str:
     """Write the prompt, then the continuation as it is produced (up to end-of-text); return the continuation.
 
-    max_new_tokens None: up to DEFAULT_NEW_TOKENS, as many as fit the context.
+    cached (`generate`): the prompt and the continuation must fit `context` tokens together; max_new_tokens None
+    is up to DEFAULT_NEW_TOKENS, as many as fit. Not cached (`generate_uncached`, for a model whose forward is
+    all that may be called, such as one sharded by FSDP2): each forward reads the last `context` tokens, and
+    max_new_tokens None is DEFAULT_NEW_TOKENS. compile applies to the cached decode step.
     """
     write = write or _write_stdout
-    tokenizer = loaded.tokenizer
     ids = [int(i) for i in tokenizer.encode(prompt)] or [tokenizer.eot_id]
-    max_new_tokens = check_lengths(len(ids), max_new_tokens, max_context or loaded.context)
+    if cached:
+        max_new_tokens = check_lengths(len(ids), max_new_tokens, context)
+    elif max_new_tokens is None:
+        max_new_tokens = DEFAULT_NEW_TOKENS
+    elif max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     check_sampling(temperature, top_p, top_k)  # before anything is written
     new: list[int] = []
     shown = ""
+    ended = False
 
     def stream(token: torch.Tensor) -> None:
-        nonlocal shown
-        if int(token[0]) == tokenizer.eot_id:
+        nonlocal shown, ended
+        ended = ended or int(token[0]) == tokenizer.eot_id
+        if ended:
             return
         new.append(int(token[0]))
         # A multi-byte character split across tokens decodes to U+FFFD until its last piece arrives.
@@ -188,8 +241,11 @@ def generate_text(
             shown = text
 
     write(prompt)
-    generate(loaded.model, ids, max_new_tokens, temperature, top_p, top_k, seed, on_token=stream,
-             stop_id=tokenizer.eot_id, compile=compile)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, on_token=stream)
+    if cached:
+        generate(model, ids, max_new_tokens, stop_id=tokenizer.eot_id, compile=compile, **sampling)
+    else:
+        generate_uncached(model, ids, max_new_tokens, context=context, **sampling)
     text = tokenizer.decode(new)
     write(text[len(shown):] + "\n" if text.startswith(shown) else "\n" + text + "\n")
     return text

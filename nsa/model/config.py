@@ -42,10 +42,10 @@ class ModelConfig:
     attention: Literal["nsa", "dense"] = "nsa"
     """'nsa' for Native Sparse Attention; 'dense' for causal SDPA, the baseline."""
     dense_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
-    """SDPA kernel of the dense model's attention in training: 'auto' lets PyTorch choose (cuDNN's on an H100 with
-    torch 2.11); 'flash' is FlashAttention-2, the dense reference DESIGN.md section 5 names. A kernel that cannot
-    run the model's attention stops the run with an error naming this key. A checkpoint loaded for generation or
-    evaluation goes back to 'auto' (the kernel is the training machine's, not the model's)."""
+    """SDPA kernel of the dense model's attention in training: 'auto' lets PyTorch choose for the GPU; 'flash' is
+    FlashAttention-2, the dense reference of docs/performance.md. A kernel that cannot run the model's attention
+    stops the run with an error naming this key. A checkpoint loaded for generation or evaluation goes back to
+    'auto' (the kernel is the training machine's, not the model's)."""
     vocab_size: int = 0
     """Embedding rows; 0 takes the tokenizer's vocabulary padded up to a multiple of 64."""
     dim: int = 128
@@ -110,12 +110,15 @@ def _validate_nsa(c: NSAConfig) -> None:
 
 
 def tiny() -> ModelConfig:
-    """A CPU-friendly NSA model (~0.8M parameters with the byte vocabulary)."""
+    """The default model (docs/design.md#tiny): a small NSA model that trains on a CPU in minutes."""
     return ModelConfig()
 
 
 def m7c() -> ModelConfig:
-    """M7C: 12 layers, dim 768, 12 query / 2 kv heads of 64, NSA 32/16/64/16/512, GPT-2 vocabulary."""
+    """M7C, the reference model (docs/design.md#m7c): a 125M-parameter LLaMA-style decoder with NSA in every
+    layer. Width 768, 12 layers, 12 query heads over 2 key/value heads of dim 64, SwiGLU hidden 2048; NSA with
+    l = 32, d = 16, l' = 64, n = 16, w = 512; the GPT-2 vocabulary (50,257 tokens) padded to 50,304 rows.
+    configs/m7c.yaml trains it at sequence length 2048."""
     return ModelConfig(
         vocab_size=50304,
         dim=768,

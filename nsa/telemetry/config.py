@@ -14,7 +14,7 @@ class TelemetryConfig:
     health_every: int = 50
     """NSA health statistics (gates per branch, selection reach) every this many steps (on the logging step at or
     after it, and at the first and last step), into nsa_stats.jsonl; 0 disables. Each costs one no-grad forward
-    of telemetry.health_tokens tokens (50 ms for M7C on an H200)."""
+    of telemetry.health_tokens tokens."""
     health_tokens: int = 2048
     """Tokens of one training sequence that the health probe runs on (its cost grows with this)."""
     stall_timeout_s: float = 600.0

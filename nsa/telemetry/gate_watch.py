@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-BRANCH_NAMES = ("compressed", "selected", "window")
+from .run_files import BRANCH_NAMES
 
 
 class GateWatch:

@@ -9,7 +9,7 @@ tensor across ranks; `summarize` then turns the summed tensors into the JSON rec
 Definitions (per layer; a "slot" is one valid entry of the selection indices [B,T,G,n]):
 - gate shares: g[t,h,:] / sum_c g[t,h,c]; entropy in nats, at most ln 3.
 - distance of a chosen block j for query t: t - j * sel_block, in tokens (the block's start).
-- forced blocks (DESIGN.md section 1, Top-n): block 0, the block holding t and the one before it.
+- forced blocks (docs/design.md#top-n-selection): block 0, the block holding t and the one before it.
 - concentration: mean, over non-forced slots (t, j), of the share of the queries of t's span that
   also chose j as a non-forced block; spans are the selection blocks of the queries (queries of one
   span share their candidate and forced blocks), per batch row and kv group. In (0, 1]; 1 means

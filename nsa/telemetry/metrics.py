@@ -23,14 +23,14 @@ class MetricsCSV:
         self._writer = csv.DictWriter(self._file, fieldnames=fields, extrasaction="raise")
 
     def write(self, row: dict) -> None:
-        self._writer.writerow({k: _fmt(row.get(k)) for k in self.fields})
+        self._writer.writerow({k: _csv_cell(row.get(k)) for k in self.fields})
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
 
 
-def _fmt(value) -> str:
+def _csv_cell(value) -> str:
     if value is None:
         return ""
     if isinstance(value, float):

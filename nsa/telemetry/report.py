@@ -1,30 +1,23 @@
 """`nsa report`: PNG plots and a markdown summary from a run folder, finished or still running.
 
 Only metrics.csv is required; nsa_stats.jsonl, heartbeat_rank*.jsonl, env.json and config.yaml add
-sections when present. Every reader tolerates a half-written last line, because the trainer may be
-appending while the report is drawn.
+sections when present (nsa.telemetry.run_files reads them, nsa.plots.run and nsa.plots.gates draw).
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import statistics
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from ..errors import UserError
-from ..storage import DamagedFile
+from ..plots.gates import plot_gates_over_steps
+from ..plots.run import plot_loss, plot_metric, plot_selection, plot_throughput
+from .run_files import BRANCH_NAMES, LayerSeries, RunData, column, layer_series, load_run
 
-BRANCHES = ("compressed", "selected", "window")
-BRANCH_COLORS = ("tab:blue", "tab:orange", "tab:green")
 COLLAPSE_LOW, COLLAPSE_HIGH = 0.02, 0.98
 FLAT_MOVE = 1e-3
 MAX_ENTROPY = math.log(3)
@@ -34,197 +27,7 @@ NOTABLE_EVENTS = ("stall", "halt", "warning")
 REPORT_IMAGES = ("loss.png", "throughput.png", "lr.png", "memory.png", "gates.png", "selection.png")
 
 
-# ---------------------------------------------------------------------------------------------- reading
-
-
-@dataclass
-class RunData:
-    """Everything read from a run folder; optional files are empty when absent."""
-
-    run_dir: Path
-    metrics: list[dict[str, float | None]]
-    stats: list[dict[str, Any]]
-    heartbeats: list[dict[str, Any]]
-    config: dict[str, Any]
-    env: dict[str, Any]
-    has_stats_file: bool
-
-
-def load_run(run_dir: Path) -> RunData:
-    """Read a run folder; raises UserError when it is missing or has no metrics.csv."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"run folder '{run_dir}' does not exist: give a folder such as runs/<name>")
-    if not (run_dir / "metrics.csv").is_file():
-        raise UserError(f"'{run_dir}' has no metrics.csv: give a run folder written by `nsa train` (runs/<name>)")
-    stats_path = run_dir / "nsa_stats.jsonl"
-    return RunData(
-        run_dir=run_dir,
-        metrics=read_metrics(run_dir / "metrics.csv"),
-        stats=_last_per_step([r for r in read_jsonl(stats_path) if isinstance(r.get("layers"), list)]),
-        heartbeats=read_heartbeats(run_dir),
-        config=_read_mapping(run_dir / "config.yaml", yaml.safe_load),
-        env=_read_mapping(run_dir / "env.json", json.loads),
-        has_stats_file=stats_path.is_file(),
-    )
-
-
-def _complete_lines(path: Path) -> list[str]:
-    # The trainer flushes whole lines, so a last line without its newline is still being written.
-    text = path.read_text(encoding="utf-8", errors="replace")
-    lines = text.splitlines()
-    if lines and not text.endswith(("\n", "\r")):
-        lines.pop()
-    return lines
-
-
-def _number(cell: str | None) -> float | None:
-    if cell is None or not cell.strip():
-        return None
-    try:
-        return float(cell)
-    except ValueError:
-        return None
-
-
-def read_metrics(path: Path) -> list[dict[str, float | None]]:
-    """metrics.csv as numeric rows in step order; empty cells and missing columns read as None. Rows without a
-    step are skipped with one warning; a file without a 'step' column is damaged."""
-    reader = csv.DictReader(_complete_lines(path))
-    if "step" not in (reader.fieldnames or []):
-        raise DamagedFile(f"'{path}' is damaged: it has no 'step' column (a metrics.csv written by `nsa train` "
-                          "starts with a header row); restore it, or resume the run to write it again")
-    rows, skipped = [], 0
-    for raw in reader:
-        row = {key: _number(value) for key, value in raw.items() if isinstance(key, str)}
-        if row.get("step") is not None:
-            rows.append(row)
-        else:
-            skipped += 1
-    _warn_skipped(path, skipped)
-    return _last_per_step(rows)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a .jsonl file. A half-written last line (a run still writing, or killed) is skipped
-    quietly; other unreadable lines are skipped with one warning."""
-    if not path.is_file():
-        return []
-    records, skipped = [], 0
-    for line in _complete_lines(path):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            skipped += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    _warn_skipped(path, skipped)
-    return records
-
-
-def _warn_skipped(path: Path, skipped: int) -> None:
-    if skipped:
-        print(f"warning: {path}: skipped {skipped} unreadable line{'s' if skipped > 1 else ''}", file=sys.stderr)
-
-
-def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
-    """All ranks' heartbeat events in time order; the rank comes from the file name if a record lacks it."""
-    events = []
-    for path in sorted(run_dir.glob("heartbeat_rank*.jsonl")):
-        suffix = path.stem.removeprefix("heartbeat_rank")
-        for record in read_jsonl(path):
-            if not isinstance(record.get("time"), (int, float)):
-                continue
-            record.setdefault("rank", int(suffix) if suffix.isdigit() else suffix)
-            events.append(record)
-    return sorted(events, key=lambda r: r["time"])
-
-
-def _read_mapping(path: Path, parse) -> dict[str, Any]:
-    # Optional files: a missing or unreadable one only removes a line from the report.
-    try:
-        value = parse(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _last_per_step(records: list[dict]) -> list[dict]:
-    # A resumed run logs the steps after its checkpoint again: the later record wins.
-    by_step = {}
-    for record in records:
-        step = record.get("step")
-        if isinstance(step, (int, float)) and math.isfinite(step):
-            by_step[int(step)] = record
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def column(rows: list[dict[str, float | None]], key: str, x: str = "step") -> tuple[np.ndarray, np.ndarray]:
-    """(x, values) of the rows where `key` and `x` (default: the step) hold finite numbers."""
-    pairs = [(r.get(x), r.get(key)) for r in rows]
-    pairs = [(s, v) for s, v in pairs if v is not None and math.isfinite(v) and s is not None and math.isfinite(s)]
-    if not pairs:
-        return np.zeros(0), np.zeros(0)
-    steps, values = zip(*pairs)
-    return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
-
-
 # ------------------------------------------------------------------------------------------ NSA stats
-
-
-@dataclass
-class LayerSeries:
-    """One layer's NSA statistics over the logged steps (arrays aligned with `steps`)."""
-
-    layer: int
-    steps: np.ndarray
-    gate_mean: np.ndarray  # [n, 3]: compressed, selected, window
-    gate_std: np.ndarray  # [n, 3]
-    entropy: np.ndarray  # [n], nan where not logged
-    sel_distance_mean: np.ndarray
-    sel_forced_share: np.ndarray
-
-
-def layer_series(stats: list[dict[str, Any]]) -> list[LayerSeries]:
-    """Per-layer time series from nsa_stats records; layer entries without three gate means are skipped."""
-    collected: dict[int, list[tuple]] = {}
-    for record in stats:
-        for i, entry in enumerate(record["layers"]):
-            if not isinstance(entry, dict) or not _triple(entry.get("gate_mean")):
-                continue
-            std = entry.get("gate_std") if _triple(entry.get("gate_std")) else [0.0, 0.0, 0.0]
-            layer = entry.get("layer", i)
-            collected.setdefault(int(layer), []).append((
-                record["step"], entry["gate_mean"], std, _float(entry.get("gate_entropy")),
-                _float(entry.get("sel_distance_mean")), _float(entry.get("sel_forced_share")),
-            ))
-    series = []
-    for layer in sorted(collected):
-        steps, mean, std, entropy, distance, forced = zip(*collected[layer])
-        series.append(LayerSeries(layer, np.asarray(steps, float), np.asarray(mean, float), np.asarray(std, float),
-                                  np.asarray(entropy), np.asarray(distance), np.asarray(forced)))
-    return series
-
-
-def _triple(value: Any) -> bool:
-    return isinstance(value, list) and len(value) == 3 and all(isinstance(x, (int, float)) for x in value)
-
-
-def _float(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) else math.nan
-
-
-def distance_histogram(stats: list[dict[str, Any]]) -> tuple[int, np.ndarray, np.ndarray] | None:
-    """(step, edges, counts summed over layers) of the latest record that has a well-formed histogram."""
-    for record in reversed(stats):
-        edges, per_layer = record.get("distance_edges"), record.get("distance_counts")
-        if not isinstance(edges, list) or len(edges) < 2 or not isinstance(per_layer, list):
-            continue
-        rows = [c for c in per_layer if isinstance(c, list) and len(c) == len(edges) - 1]
-        if rows:
-            return int(record["step"]), np.asarray(edges, float), np.asarray(rows, float).sum(axis=0)
-    return None
 
 
 def gate_warnings(series: list[LayerSeries]) -> list[str]:
@@ -232,7 +35,7 @@ def gate_warnings(series: list[LayerSeries]) -> list[str]:
     warnings = []
     for s in series:
         final = s.gate_mean[-1]
-        for name, value in zip(BRANCHES, final):
+        for name, value in zip(BRANCH_NAMES, final):
             if value < COLLAPSE_LOW or value > COLLAPSE_HIGH:
                 bound = f"< {COLLAPSE_LOW}" if value < COLLAPSE_LOW else f"> {COLLAPSE_HIGH}"
                 warnings.append(f"layer {s.layer}: {name} gate collapsed (mean {value:.4f} {bound})")
@@ -258,13 +61,13 @@ def notable_events(heartbeats: list[dict[str, Any]]) -> list[str]:
     for (event, message), records in groups.items():
         ranks = sorted({str(r.get("rank", "?")) for r in records})
         steps = sorted({r["step"] for r in records if isinstance(r.get("step"), int)})
-        where = f"rank {', '.join(ranks)}" + (f", step {_span(steps)}" if steps else "")
+        where = f"rank {', '.join(ranks)}" + (f", step {_step_range(steps)}" if steps else "")
         times = f" ({len(records)}x)" if len(records) > 1 else ""
         lines.append(f"**{event}** ({where}){times}: {message or '(no message)'}")
     return lines
 
 
-def _span(steps: list[int]) -> str:
+def _step_range(steps: list[int]) -> str:
     return str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
 
 
@@ -290,148 +93,6 @@ def stale_ranks(heartbeats: list[dict[str, Any]], min_lag_s: float = 60.0, facto
             if r.get("event") != "done" and newest - r["time"] > threshold]
 
 
-# ---------------------------------------------------------------------------------------------- plots
-
-
-def new_figure(width: float, height: float):
-    """A matplotlib Figure of the given size in inches (also used by `nsa eval` and `nsa compare`)."""
-    # A bare Figure renders PNGs through Agg without pyplot: no global backend switch and no figure registry
-    # to leak, so the report is safe to call from a notebook or a training process.
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise UserError("the plots need matplotlib: pip install matplotlib") from None
-    return Figure(figsize=(width, height), layout="constrained", dpi=110)
-
-
-def save_png(fig, path: Path) -> Path:
-    fig.savefig(path, format="png")
-    return path
-
-
-def _span_log(values: np.ndarray) -> bool:
-    positive = values[values > 0]
-    return positive.size > 0 and positive.size == values.size and positive.max() > 10 * positive.min()
-
-
-def plot_loss(rows: list[dict], path: Path) -> Path | None:
-    steps, loss = column(rows, "loss")
-    vsteps, vloss = column(rows, "val_loss")
-    if not steps.size and not vsteps.size:
-        return None
-    fig = new_figure(7, 4)
-    ax = fig.add_subplot()
-    ax.plot(steps, loss, lw=1.2, label="train loss")
-    if vsteps.size:
-        ax.plot(vsteps, vloss, "o", ms=5, color="tab:red", label="validation loss")
-    if _span_log(np.concatenate([loss, vloss])):
-        ax.set_yscale("log")
-    ax.set(xlabel="step", ylabel="loss", title="loss")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    return save_png(fig, path)
-
-
-def plot_throughput(rows: list[dict], path: Path) -> Path | None:
-    steps, tps = column(rows, "tokens_per_s")
-    wsteps, wait = column(rows, "data_wait")
-    if not steps.size:
-        return None
-    fig = new_figure(7, 5.5 if wsteps.size else 4)
-    axes = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1]) if wsteps.size else [fig.add_subplot()]
-    axes[0].plot(steps, tps, lw=1.2)
-    axes[0].set(ylabel="tokens/s", title="throughput")
-    axes[0].grid(alpha=0.3)
-    if wsteps.size:
-        axes[1].plot(wsteps, 100 * wait, lw=1.2, color="tab:red")
-        axes[1].set(ylabel="data wait (% of step)", ylim=(0, max(5.0, 100 * float(wait.max()) * 1.1)))
-        axes[1].grid(alpha=0.3)
-    axes[-1].set_xlabel("step")
-    return save_png(fig, path)
-
-
-def plot_single(rows: list[dict], key: str, ylabel: str, title: str, path: Path) -> Path | None:
-    steps, values = column(rows, key)
-    if not steps.size:
-        return None
-    fig = new_figure(7, 3.5)
-    ax = fig.add_subplot()
-    ax.plot(steps, values, lw=1.2)
-    ax.set(xlabel="step", ylabel=ylabel, title=title)
-    ax.grid(alpha=0.3)
-    return save_png(fig, path)
-
-
-def plot_gates(series: list[LayerSeries], path: Path) -> Path | None:
-    if not series:
-        return None
-    ncols = min(4, len(series))
-    nrows = math.ceil(len(series) / ncols)
-    fig = new_figure(3.2 * ncols, 2.4 * nrows + 0.4)
-    axes = np.atleast_1d(fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)).ravel()
-    for ax, s in zip(axes, series):
-        for b, (name, color) in enumerate(zip(BRANCHES, BRANCH_COLORS)):
-            mean, std = s.gate_mean[:, b], s.gate_std[:, b]
-            ax.plot(s.steps, mean, color=color, lw=1.2, label=name)
-            ax.fill_between(s.steps, np.clip(mean - std, 0, 1), np.clip(mean + std, 0, 1), color=color, alpha=0.2)
-        ax.set_title(f"layer {s.layer}", fontsize=9)
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-    for ax in axes[len(series):]:
-        ax.set_axis_off()
-    # One legend for the grid, outside the panels, so it never hides a collapsed gate's line.
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper right", ncols=3, fontsize=8)
-    fig.suptitle("gate mean per branch (band: +-std)")
-    fig.supxlabel("step")
-    return save_png(fig, path)
-
-
-def plot_selection(stats: list[dict[str, Any]], series: list[LayerSeries], path: Path) -> Path | None:
-    histogram = distance_histogram(stats)
-    has_series = any(np.isfinite(s.sel_distance_mean).any() or np.isfinite(s.sel_forced_share).any()
-                     for s in series)
-    if histogram is None and not has_series:
-        return None
-    fig = new_figure(10, 7.5 if histogram is not None and has_series else 4)
-    grid = fig.add_gridspec(2 if histogram is not None and has_series else 1, 2)
-    row = 0
-    if histogram is not None:
-        _draw_histogram(fig.add_subplot(grid[row, :]), *histogram)
-        row += 1
-    if has_series:
-        colors = _layer_colors(len(series))
-        ax_d, ax_f = fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1])
-        for s, color in zip(series, colors):
-            ax_d.plot(s.steps, s.sel_distance_mean, color=color, lw=1, label=f"layer {s.layer}")
-            ax_f.plot(s.steps, s.sel_forced_share, color=color, lw=1, label=f"layer {s.layer}")
-        ax_d.set(xlabel="step", ylabel="tokens", title="mean distance to selected blocks")
-        ax_f.set(xlabel="step", ylabel="share", title="share of selected blocks that are forced", ylim=(0, 1))
-        for ax in (ax_d, ax_f):
-            ax.grid(alpha=0.3)
-        if len(series) <= 12:
-            ax_f.legend(fontsize=7, ncol=2 if len(series) > 6 else 1)
-    return save_png(fig, path)
-
-
-def _draw_histogram(ax, step: int, edges: np.ndarray, counts: np.ndarray) -> None:
-    edges = edges.copy()
-    if edges[0] <= 0 < edges[1]:
-        edges[0] = edges[1] / 2  # a log axis cannot show 0; the first bin still starts left of edge 1
-    ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", edgecolor="white", linewidth=0.5)
-    if (edges > 0).all():
-        ax.set_xscale("log")
-    ax.set(xlabel="query-to-block distance (tokens)", ylabel="chosen blocks (all layers)",
-           title=f"selection distance, step {step}")
-    ax.grid(alpha=0.3, axis="y")
-
-
-def _layer_colors(n: int) -> list:
-    from matplotlib import colormaps
-
-    cmap = colormaps["viridis"]
-    return [cmap(i / max(1, n - 1) * 0.9) for i in range(n)]
-
-
 # ---------------------------------------------------------------------------------------------- report
 
 
@@ -445,9 +106,9 @@ def render_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     plots = {
         "loss.png": lambda p: plot_loss(rows, p),
         "throughput.png": lambda p: plot_throughput(rows, p),
-        "lr.png": lambda p: plot_single(rows, "lr", "learning rate", "learning rate", p),
-        "memory.png": lambda p: plot_single(rows, "mem_gb", "GB", "memory (mem_gb)", p),
-        "gates.png": lambda p: plot_gates(series, p),
+        "lr.png": lambda p: plot_metric(rows, "lr", "learning rate", "learning rate", p),
+        "memory.png": lambda p: plot_metric(rows, "mem_gb", "GB", "memory (mem_gb)", p),
+        "gates.png": lambda p: plot_gates_over_steps(series, p),
         "selection.png": lambda p: plot_selection(run.stats, series, p),
     }
     written = []
@@ -484,7 +145,7 @@ def summary_rows(run: RunData) -> list[tuple[str, str]]:
     if not rows:
         return [("steps", "no metrics rows logged yet")]
     last = rows[-1]
-    total = _get(run.config, "train", "steps")
+    total = _nested_value(run.config, "train", "steps")
     steps = f"{int(last['step']):,}"
     if isinstance(total, int) and total > 0:
         steps += f" / {total:,} ({100 * last['step'] / total:.0f}%)"
@@ -541,8 +202,8 @@ def _gate_section(run: RunData, series: list[LayerSeries]) -> list[str]:
              "|---|---|---|---|---|---|"]
     for s in series:
         cmp_, sel, win = s.gate_mean[-1]
-        lines.append(f"| {s.layer} | {cmp_:.3f} | {sel:.3f} | {win:.3f} | {_maybe(s.entropy[-1])} "
-                     f"| {_maybe(s.sel_forced_share[-1])} |")
+        lines.append(f"| {s.layer} | {cmp_:.3f} | {sel:.3f} | {win:.3f} | {_decimals_or_dash(s.entropy[-1])} "
+                     f"| {_decimals_or_dash(s.sel_forced_share[-1])} |")
     warnings = gate_warnings(series)
     lines += ["", "Gate warnings:" if warnings else "Gate warnings: none.", ""]
     if warnings:
@@ -588,7 +249,7 @@ def _skipped_images(run: RunData, images: list[str]) -> list[str]:
 # ------------------------------------------------------------------------------------------ formatting
 
 
-def _get(mapping: dict, *keys: str) -> Any:
+def _nested_value(mapping: dict, *keys: str) -> Any:
     for key in keys:
         if not isinstance(mapping, dict):
             return None
@@ -629,7 +290,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-def _maybe(value: float) -> str:
+def _decimals_or_dash(value: float) -> str:
     return f"{value:.3f}" if math.isfinite(value) else "-"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 
 
 @dataclass
@@ -24,8 +24,9 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step (tokens per step = batch_size * grad_accum * seq_len)."""
     lr: float = 2e-3
-    """Peak learning rate of AdamW. The default suits the tiny model: at 3e-3 its layer-0 gates closed (~0.01) and
-    its validation loss was worse on two seeds of the default run (benchmarks/RESULTS.md, thirty-second session)."""
+    """Peak learning rate of AdamW. The default suits the tiny model; too high a rate closes NSA's gates (all three
+    branches of a layer near 0, switching its attention off), which the gate-collapse warning reports. Larger
+    models want less (configs/m7c.yaml: 2e-4)."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at lr * min_lr_ratio."""
     warmup_steps: int = 40
@@ -47,8 +48,8 @@ class TrainConfig:
     deterministic: bool = False
     """Bit-for-bit reproducible steps on the GPU: two runs of one seed, and a run stopped and resumed, give the
     same losses to the last bit. Turns on torch.use_deterministic_algorithms, under which NSA's backward adds its
-    partial sums in a fixed order instead of with float32 atomics (2-3% slower for M7C on an H100). The CPU path
-    is deterministic either way."""
+    partial sums in a fixed order instead of with float32 atomics, at a small cost in speed. The CPU path is
+    deterministic either way."""
     device: str = "auto"
     """'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -80,8 +81,8 @@ class ParallelConfig:
     cudagraphs: bool | Literal["auto"] = "auto"
     """With compile on a GPU: replay each compiled block's forward and backward, and the loss, as CUDA graphs
     (Inductor's CUDA graph trees, as torch.compile's 'reduce-overhead'), so the host no longer launches their
-    kernels one by one. It pays where the host sets the pace: M7C at 8 x 2048 tokens a GPU trains 2.3x faster.
-    Each new batch shape records its own graphs, so keep it fixed. Single process and DDP; 'auto' turns it on
+    kernels one by one. It pays where the host sets the pace (few tokens per GPU per step, small models). Each
+    new batch shape records its own graphs, so keep it fixed. Single process and DDP; 'auto' turns it on
     wherever it can run (compiled, on a GPU, not under FSDP2)."""
     allow_single_process: bool = False
     """Allow one process on a machine with several visible GPUs (otherwise an error naming the torchrun command)."""
@@ -101,12 +102,16 @@ class ParallelConfig:
         graphs = (compile_ and on_gpu and mode != "fsdp") if self.cudagraphs == "auto" else self.cudagraphs
         return replace(self, compile=compile_, cudagraphs=graphs)
 
-    def check_cudagraphs(self, mode: str) -> None:
-        """The CUDA-graph settings that the config alone decides, for `mode` (a launch mode or the resolved one).
-        Under FSDP2, whose blocks gather their parameters outside the compiled code, a step with graphs took 5.6x
-        longer than without (two H200s, RESULTS.md)."""
+    def check_cudagraphs(self, mode: str, device_type: str | None = None) -> None:
+        """Refuse CUDA-graph settings that cannot run, for `mode` (a launch mode or the resolved one) and, once
+        known, the device type. Graphs replay compiled code on a GPU, and not under FSDP2, whose blocks gather
+        their parameters outside the compiled code, so a replay could not hold a step. The device speaks first:
+        on a CPU 'auto' leaves compile off, and 'add parallel.compile=true' would not help."""
         if self.cudagraphs is not True:  # 'auto' never asks for what cannot run
             return
+        if device_type is not None and device_type != "cuda":
+            raise UserError(f"parallel.cudagraphs=true needs a CUDA device, not {device_type}: drop it or train on "
+                            "a GPU")
         if self.compile is False:
             raise ConfigError("parallel.cudagraphs=true replays compiled blocks: add parallel.compile=true")
         if mode == "fsdp":

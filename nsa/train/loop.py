@@ -28,9 +28,9 @@ from ..config import RunConfig
 from ..data.loader import Data, build_data
 from ..data.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
 from ..errors import Interrupted, UserError
+from ..inference.generate import generate_text
 from ..model import Transformer
 from ..model.attention import check_dense_backend
-from ..model.sampling import sample
 from ..telemetry import health
 from ..telemetry.gate_watch import GateWatch
 from ..telemetry.run_log import RunLog
@@ -50,8 +50,8 @@ from .stop import StopDecision, StopRequests
 
 def peak_memory_gb(device: torch.device, cudagraphs: bool) -> float:
     """Peak GPU memory since the previous call, in GiB: allocated, or under parallel.cudagraphs reserved. A replay
-    draws on its graph's private memory pool, which the allocated count does not see: with graphs on, the peak
-    allocated read 0.22 GB on a run whose first steps, before the graphs were recorded, read 7.2 GB."""
+    draws on its graph's private memory pool, which the allocated count does not see, so with graphs on it would
+    report a small fraction of what the step holds."""
     peak = torch.cuda.max_memory_reserved(device) if cudagraphs else torch.cuda.max_memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     return peak / 2**30
@@ -86,6 +86,10 @@ def autocast_context(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+SAMPLE_TEMPERATURE = 0.8
+SAMPLE_TOP_K = 50
+"""How the end-of-run sample draws its tokens (train.sample_tokens of them, seeded by train.seed)."""
+
 STEP_KINDS = {"eager": "eager", "compiled": "compiled", "graphs": "compiled, replayed as CUDA graphs"}
 
 
@@ -98,7 +102,7 @@ def step_kind(parallel: ParallelConfig) -> str:
 
 def fsdp_pace_note(mode: str, device_type: str) -> str | None:
     """The banner's note for FSDP2 on a GPU, whose steps replay no CUDA graphs (ParallelConfig.check_cudagraphs):
-    at M7C's 8 x 2048 a GPU two GPUs under FSDP2 trained at half one GPU's graphed rate (benchmarks/RESULTS.md)."""
+    where the host sets the pace, a model that fits one GPU trains faster under DDP with graphs than sharded."""
     if mode != "fsdp" or device_type != "cuda":
         return None
     return ("note: FSDP2 replays no CUDA graphs, so with few sequences per GPU the host sets the pace; a model that "
@@ -109,7 +113,7 @@ def open_run_folder(cfg: RunConfig, info: DistInfo) -> RunFolder:
     """The run folder, claimed by rank 0 (named, created and locked for this launch) and shared with the others;
     if rank 0 cannot claim it, every rank stops with its message."""
     default = f"{cfg.model.attention}-{time.strftime('%Y%m%d-%H%M%S')}"
-    folder = _agreed(info, lambda: claim_run_folder(Path(cfg.train.out_dir), cfg.train.run_name, default)
+    folder = _agreed_across_ranks(info, lambda: claim_run_folder(Path(cfg.train.out_dir), cfg.train.run_name, default)
                      if info.is_main else None)
     if info.distributed:
         shared = [str(folder.path) if folder else None]
@@ -120,7 +124,7 @@ def open_run_folder(cfg: RunConfig, info: DistInfo) -> RunFolder:
     return folder
 
 
-def _agreed(info: DistInfo, build):
+def _agreed_across_ranks(info: DistInfo, build):
     """Run `build` on every rank; if it fails anywhere, every rank raises (nobody waits in a collective)."""
     error = None
     try:
@@ -157,10 +161,10 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         use_deterministic_algorithms(t.deterministic)
         torch.manual_seed(t.seed)  # the same initial weights on every rank
-        self.tokenizer = _agreed(info, lambda: get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path))
+        self.tokenizer = _agreed_across_ranks(info, lambda: get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path))
         self.cfg = cfg = resolve_vocab(cfg, self.tokenizer)
         check_same_config(to_dict(cfg), info)
-        self.data: Data = _agreed(info, lambda: build_data(
+        self.data: Data = _agreed_across_ranks(info, lambda: build_data(
             cfg.data, self.tokenizer, t.seq_len, t.batch_size, t.eval_batches, t.seed, info.rank, info.world_size))
         self.data.train.pin_for(info.device)
         check_dense_backend(cfg.model, info.device, torch.bfloat16 if self.bf16 else torch.float32)
@@ -466,7 +470,7 @@ class Trainer:
                         row = self._log_step(step, loss, norm, window, start, bar, evaluate=do_eval and not stop,
                                              is_last=is_last or stop)
                         window = (time.perf_counter(), step)
-                        _remember(result, row)
+                        _record_logged_row(result, row)
                     if stop:
                         bar.close()
                         if decision.signal:
@@ -505,6 +509,21 @@ class Trainer:
         if note := fsdp_pace_note(self.mode, info.device.type):
             self._print(note)
 
+    def _sample(self) -> str:
+        """The end-of-run sample, streamed by rank 0: the prompt and its continuation. Every rank generates it
+        (under FSDP2 each forward is a collective), by full forwards over the last train.seq_len tokens, which
+        run whatever wraps the model."""
+        t = self.cfg.train
+        model = unwrap(self.model) if self.mode != "fsdp" else self.model
+        self._print("\n--- sample ---")
+        with uncompiled(model):
+            continuation = generate_text(
+                model, self.tokenizer, t.sample_prompt, t.sample_tokens, context=t.seq_len,
+                temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, seed=t.seed, cached=False,
+                write=None if self.info.is_main else _discard)  # None: stdout
+        self._print("--------------")
+        return t.sample_prompt + continuation
+
     def _evaluate_and_log(self, step: int, bar: tqdm) -> float | None:
         val_loss = self.evaluate()
         if val_loss is not None:
@@ -514,15 +533,11 @@ class Trainer:
 
     def _finish(self, result: TrainResult, resumed: Path | None, halted: Path | None, first_step: int,
                 start: float) -> TrainResult:
-        t, info = self.cfg.train, self.info
+        t = self.cfg.train
         ran = first_step < self.step or resumed is None
         result.checkpoint = halted or (self.save() if ran else resumed)
         if halted is None and t.sample_tokens > 0 and not self.signals.received:
-            model = unwrap(self.model) if self.mode != "fsdp" else self.model
-            with uncompiled(model):
-                result.sample = generate_text(model, self.tokenizer, t.sample_prompt, t.sample_tokens, t.seq_len,
-                                              info.device, t.seed)
-            self._print(f"\n--- sample ---\n{result.sample}\n--------------")
+            result.sample = self._sample()
         val_msg = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
         if result.first_loss is not None:
             self._print(f"done: step {self.step} in {time.perf_counter() - start:.0f}s, loss {result.first_loss:.4f} "
@@ -533,7 +548,11 @@ class Trainer:
         return result
 
 
-def _remember(result: TrainResult, row: dict) -> None:
+def _discard(text: str) -> None:
+    pass
+
+
+def _record_logged_row(result: TrainResult, row: dict) -> None:
     result.losses[row["step"]] = result.last_loss = row["loss"]
     result.first_loss = row["loss"] if result.first_loss is None else result.first_loss
     result.val_loss = row["val_loss"] if row["val_loss"] is not None else result.val_loss
@@ -561,12 +580,4 @@ def train(cfg: RunConfig) -> TrainResult:
         if folder is not None:
             folder.release()
         shutdown(info, finished)
-
-
-def generate_text(model, tokenizer, prompt: str, n_tokens: int, context: int, device, seed: int) -> str:
-    ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id]
-    prompt_ids = torch.as_tensor(ids, dtype=torch.long, device=device)[None]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = sample(model, prompt_ids, n_tokens, context=context, generator=gen)
-    return tokenizer.decode(out[0].tolist())
 

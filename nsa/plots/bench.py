@@ -1,5 +1,5 @@
 """Pictures of benchmark results: every `nsa bench` command draws one beside its CSV/JSON, and
-`nsa bench plot RESULTS.json` redraws one from a saved file (e.g. under benchmarks/history/).
+`nsa bench plot FILE.json` redraws one from a saved results file.
 
 attention: NSA's speed-up over each dense reference (SDPA flash, cuDNN) and fla-core, per shape, against T;
 decode: the speed-up of a whole decode step and of one layer's attention, per batch, against the context;
@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from ..errors import UserError
+from .common import new_figure, save_png
 
 Series = dict[str, list[tuple[int, float]]]
 """label -> [(x, y)], sorted by x."""
@@ -144,13 +145,12 @@ def _length_axis(ax, label: str) -> None:
 
 
 def draw(panels: dict[str, Series], title: str, footer: str, xlabel: str, ratio_label: str | None, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """One panel per entry of `panels` side by side, lengths on a log axis, with `footer` (the environment)
+    under them."""
     from matplotlib.ticker import FuncFormatter
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), squeeze=False)
+    fig = new_figure(6.2 * len(panels), 4.6, constrained=False)
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (name, series) in zip(axes[0], panels.items()):
         _lines(ax, series)
         _length_axis(ax, xlabel)
@@ -165,10 +165,7 @@ def draw(panels: dict[str, Series], title: str, footer: str, xlabel: str, ratio_
     fig.suptitle(title)
     fig.text(0.5, 0.01, footer, ha="center", fontsize=8, color="dimgrey")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_png(fig, path)
 
 
 def plot_rows(rows: list[dict], meta: dict, path: str | Path) -> Path:

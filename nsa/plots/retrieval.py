@@ -1,34 +1,21 @@
-"""Retrieval accuracy heatmaps like the NSA paper's Figure 5: context length across, needle depth down."""
+"""Retrieval accuracy heatmaps (`nsa eval`, `nsa compare`): context length across, needle depth down."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..telemetry.report import new_figure, save_png
+from ..eval.grid import Grid, length_label
+from .common import new_figure, save_png
+
+ANNOTATED_CELLS = 160
+"""Grids of at most this many cells print each cell's accuracy; larger ones would be unreadable."""
 
 
-@dataclass
-class Grid:
-    """Accuracy of one task on one model: acc[i, j] at depths[i] and lengths[j]; nan where not measured."""
-
-    title: str
-    lengths: list[int]
-    depths: list[float]
-    acc: np.ndarray
-    skipped: dict[int, str] = field(default_factory=dict)
-    """Lengths that were not measured, with a short reason (e.g. 'out of memory')."""
-
-
-def length_label(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
-def draw(ax, grid: Grid, annotate: bool = True):
+def draw_grid(ax, grid: Grid, annotate: bool = True):
     """One heatmap on a matplotlib axis; returns the image (for a colorbar)."""
     from matplotlib import colormaps
 
@@ -38,7 +25,7 @@ def draw(ax, grid: Grid, annotate: bool = True):
     ax.set_xticks(range(len(grid.lengths)), [length_label(n) for n in grid.lengths])
     ax.set_yticks(range(len(grid.depths)), [f"{100 * d:.0f}%" for d in grid.depths])
     ax.set(xlabel="context length (tokens)", ylabel="needle depth", title=grid.title)
-    small = len(grid.lengths) * len(grid.depths) <= 160
+    small = len(grid.lengths) * len(grid.depths) <= ANNOTATED_CELLS
     for i in range(len(grid.depths)):
         for j, n in enumerate(grid.lengths):
             value = grid.acc[i, j]
@@ -47,12 +34,12 @@ def draw(ax, grid: Grid, annotate: bool = True):
                     ax.text(j, i, f"{100 * value:.0f}", ha="center", va="center",
                             fontsize=7, color="black")
             elif i == len(grid.depths) // 2:
-                ax.text(j, i, _short(grid.skipped.get(n, "n/a")), ha="center", va="center", fontsize=7,
+                ax.text(j, i, _shortened(grid.skipped.get(n, "n/a")), ha="center", va="center", fontsize=7,
                         rotation=90, color="0.3")
     return image
 
 
-def _short(reason: str) -> str:
+def _shortened(reason: str) -> str:
     return reason if len(reason) <= 14 else reason[:13] + "…"
 
 
@@ -65,7 +52,7 @@ def plot_grids(grids: Sequence[Grid], path: Path, title: str = "", label: str = 
     axes = np.atleast_1d(fig.subplots(1, n, squeeze=False)).ravel()
     image = None
     for ax, grid in zip(axes, grids):
-        image = draw(ax, grid)
+        image = draw_grid(ax, grid)
     fig.colorbar(image, ax=list(axes), label=label, shrink=0.9)
     if title:
         fig.suptitle(title)
