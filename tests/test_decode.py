@@ -13,7 +13,7 @@ from nsa.config import load_config
 from nsa.errors import UserError
 from nsa.inference import decode_attention, decode_step, new_cache, prefill
 from nsa.inference.generate import generate, generate_text, load_for_inference
-from nsa.model import ModelConfig, NSAConfig, Transformer
+from nsa.model import ModelConfig, NSAParams, Transformer
 from nsa.model.sampling import sample
 from nsa.ops import reference
 from nsa.ops.geometry import num_compressed_blocks
@@ -28,7 +28,7 @@ VOCAB = 61
 def tiny_model(attention="nsa", seed=0, **nsa_changes) -> Transformer:
     cfg = ModelConfig(
         attention=attention, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=64,
-        nsa=NSAConfig(**{"phi_hidden": 16, "gate_hidden": 16, **HYPER, **nsa_changes}, backend="reference"),
+        nsa=NSAParams(**{"phi_hidden": 16, "gate_hidden": 16, **HYPER, **nsa_changes}, backend="reference"),
     )
     torch.manual_seed(seed)
     model = Transformer(cfg).double().eval()

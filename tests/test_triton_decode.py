@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nsa.inference import decode_attention, decode_step, new_cache, prefill
-from nsa.model import ModelConfig, NSAConfig, Transformer
+from nsa.model import ModelConfig, NSAParams, Transformer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=2e-2, atol=2e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-5)
@@ -17,7 +17,7 @@ def model_for(n_heads, n_kv_heads, head_dim=8, backend="reference", **hyper):
     hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=4, window=12) | hyper
     cfg = ModelConfig(attention="nsa", vocab_size=53, dim=32, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
                       head_dim=head_dim, mlp_hidden=48,
-                      nsa=NSAConfig(**hp, phi_hidden=16, gate_hidden=16, backend=backend))
+                      nsa=NSAParams(**hp, phi_hidden=16, gate_hidden=16, backend=backend))
     torch.manual_seed(0)
     model = Transformer(cfg).eval().to(DEVICE)
     with torch.no_grad():

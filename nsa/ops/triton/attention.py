@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..geometry import NSAGeometry
 from .common import unfilled
 from .gating import gate_grads
 from .hopper_selected_forward import hopper_selected_forward_eligible
@@ -169,17 +170,18 @@ def _last_dim_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, *, block_len, block_stride,
-                         sel_block, n_sel, window, scale) -> Tensor:
+def nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry: NSAGeometry,
+                         scale: float) -> Tensor:
     dtype = q.dtype
     args = [_last_dim_contiguous(t, dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)]
     # A forward with no backward to follow (inference, evaluation) skips what only the backward reads.
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args)
-    return nsa_forward(*args, block_len, block_stride, sel_block, n_sel, window, float(scale), needs_grad)[0]
+    return nsa_forward(*args, *geometry.as_tuple(), float(scale), needs_grad)[0]
 
 
 @torch.no_grad()
-def select_blocks_triton(q, k_cmp, *, block_len, block_stride, sel_block, n_sel, scale) -> Tensor:
+def select_blocks_triton(q, k_cmp, geometry: NSAGeometry, scale: float) -> Tensor:
+    block_len, block_stride, sel_block, n_sel, _ = geometry.as_tuple()
     q = _last_dim_contiguous(q, q.dtype)
     k_cmp = _last_dim_contiguous(k_cmp, q.dtype)
     # The compressed branch's log-sum-exp normalises p_cmp; its values output is not needed here.
