@@ -210,7 +210,7 @@ def test_tied_scores_go_to_the_lower_block_as_in_the_reference(n_sel, t, want):
     assert nc & (nc - 1) == 0
     layer.n_cmp.fill_(nc)
     q = torch.zeros(1, 4, 8, dtype=torch.float64)
-    decode_attention(q, torch.rand(1, 4, 3, dtype=torch.float64), layer, t, sel_block=8, n_sel=n_sel, window=16)
+    decode_attention(q, torch.rand(1, 4, 3, dtype=torch.float64), layer, t)
     sel = {k: HYPER[k] for k in ("block_len", "block_stride", "sel_block")}
     ref = reference.select_blocks(torch.zeros(1, t + 1, 4, 8, dtype=torch.float64), layer.k_cmp[:, :nc], **sel,
                                   n_sel=n_sel)
@@ -395,13 +395,13 @@ def test_the_compiled_nsa_step_writes_its_caches_in_place():
 
     from torch._inductor.utils import run_and_get_code
 
-    from nsa.inference.decode import _step_logits
+    from nsa.inference.decode import step_logits
 
     capacity = 4099  # prime: a loop over the token dimension shows as a size divisible by it
     model = tiny_model("nsa").float()
     cache = new_cache(model, 2, capacity)
     prefill(model, tokens_for(2, 30), cache)
-    step = torch.compile(_step_logits, dynamic=False)
+    step = torch.compile(step_logits, dynamic=False)
     with torch.no_grad():
         _, code = run_and_get_code(step, model, tokens_for(2, 1)[:, 0], cache.layers, cache.lengths)
     sizes = [int(n) for src in code for n in re.findall(r"(?:x\d+\s*<\s*(?:static_cast<int64_t>\()?|numel\s*=\s*)(\d+)", src)]

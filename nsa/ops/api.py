@@ -69,10 +69,10 @@ def nsa_attention(
                              n_sel=n_sel, window=window)
     check_nsa_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry)
     if resolve_backend(backend, q.device, q.shape[1]) == "triton":
-        from .triton.attention import nsa_attention_triton
+        from .custom_ops import nsa_attention_kernels
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, scale)
+        return nsa_attention_kernels(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, scale)
     return reference.nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry=geometry,
                                    scale=scale)
 
@@ -95,8 +95,8 @@ def select_blocks(
                              n_sel=n_sel)
     check_select_inputs(q, k_cmp, geometry)
     if resolve_backend(backend, q.device, q.shape[1]) == "triton":
-        from .triton.attention import select_blocks_triton
+        from .custom_ops import select_blocks_kernels
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return select_blocks_triton(q, k_cmp, geometry, scale)
+        return select_blocks_kernels(q, k_cmp, geometry, scale)
     return reference.select_blocks(q, k_cmp, geometry=geometry, scale=scale)
