@@ -399,3 +399,99 @@ def test_auto_backend_is_triton_on_cuda_and_the_reference_elsewhere():
     with pytest.raises(ValueError, match="unknown NSA backend"):
         _resolve("flash", torch.device("cpu"), 10)
 
+
+GLUON_KERNELS = [("forward", "_span_forward_kernel"), ("backward", "_span_dkdv_kernel"),
+                 ("query_grad", "_query_grad_kernel"), ("selected_forward", "_selected_forward_kernel"),
+                 ("selected_backward", "_selected_backward_kernel")]
+
+
+@pytest.fixture
+def gluon_binds(monkeypatch):
+    """The Gluon kernels (which run only on an sm_90 GPU) replaced by stand-ins that bind each launch's arguments to
+    the kernel's parameters (a missing, extra or doubled one fails) and record the kernel's name."""
+    import importlib
+    import inspect
+
+    launched = []
+
+    class Bind:
+        def __init__(self, kernel):
+            self.signature = inspect.signature(kernel.fn)
+            self.name = kernel.fn.__name__
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                bound = self.signature.bind(*args, **kwargs)
+                missing = [n for n, p in self.signature.parameters.items()
+                           if n not in bound.arguments and p.default is p.empty]
+                assert not missing, (self.name, missing)
+                launched.append(self.name)
+            return launch
+
+    for module, name in GLUON_KERNELS:
+        module = importlib.import_module(f"nsa.ops.gluon.{module}")
+        monkeypatch.setattr(module, name, Bind(getattr(module, name)))
+    return launched
+
+
+def test_every_gluon_launch_passes_each_argument_its_kernel_takes(gluon_binds):
+    from nsa.ops.branches import SEL_DENSE, SEL_PARTS, SEL_TILED, SelectedDQ
+    from nsa.ops.gluon import backward, forward, query_grad, selected_backward, selected_forward
+
+    geometry = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+    B, T, H, G, D, n = 2, 300, 12, 2, 64, 16
+    q, o = torch.randn(B, T, H, D, dtype=torch.bfloat16), torch.empty(B, T, H, D, dtype=torch.bfloat16)
+    k, v = torch.randn(B, T, G, D, dtype=torch.bfloat16), torch.randn(B, T, G, D, dtype=torch.bfloat16)
+    lse, gates = torch.empty(B, T, H), torch.rand(B, T, H, 3, dtype=torch.bfloat16)
+    bits, idx = torch.zeros(B, T, G, dtype=torch.int64), torch.zeros(B, T, G, n, dtype=torch.int64)
+    for mode, chosen, strides, gated in ((0, q, (0, 0, 0), None), (2, bits, bits.stride(), (o, o, gates))):
+        forward.launch(q, k, v, o, lse, mode, 0.1, geometry, chosen, strides, gated, o)
+        for parts in (1, 3):
+            grads = torch.zeros(parts, *k.shape)
+            backward.launch(q, k, v, o, lse, lse, grads, grads, mode, 0.1, geometry, chosen, strides, 3, 256)
+    parts = torch.empty(B * G * T * n, H // G, D, dtype=torch.bfloat16)
+    for sel in (SelectedDQ(SEL_TILED, k=k, v=v, choice=bits), SelectedDQ(SEL_PARTS, choice=idx, parts=parts),
+                SelectedDQ(SEL_DENSE, choice=idx, dq=torch.empty(B, T, H, D))):
+        query_grad.launch(q, o, o, torch.empty(3, B, T, H), torch.empty(3, B, T, H), 0.1, geometry, (k, v), (k, v),
+                          sel)
+    inverse = tuple(torch.zeros(10, dtype=torch.int32) for _ in range(4))
+    selected_forward.launch(q, k, v, inverse, parts, torch.empty(B * G * T * n, H // G), 0.1, n)
+    for partials, dq_add in ((False, False), (False, True), (True, False)):
+        dq = torch.zeros(B, T, H, D) if dq_add else parts
+        grads = torch.zeros(10, 64, D) if partials else torch.zeros(k.shape)
+        selected_backward.launch(q, k, v, o, lse, lse, grads, grads, dq, inverse, 0.1, n, True, partials, dq_add)
+    assert gluon_binds == ["_span_forward_kernel"] + ["_span_dkdv_kernel"] * 2 + ["_span_forward_kernel"] + [
+        "_span_dkdv_kernel"] * 2 + ["_query_grad_kernel"] * 3 + ["_selected_forward_kernel"] + [
+        "_selected_backward_kernel"] * 3
+
+
+def test_dispatch_runs_each_stage_on_its_gluon_kernel_where_that_applies(gluon_binds, monkeypatch):
+    # Where every Gluon kernel takes the call (as on an sm_90 GPU in bf16), each stage of the op launches it with
+    # the buffers dispatch made (bound to the kernel's parameters by the stand-ins).
+    from nsa.ops import dispatch
+    from nsa.ops.branches import MODE_CMP, MODE_WIN, SEL_DENSE
+    from nsa.ops.gluon import backward, forward, query_grad, selected_backward, selected_forward
+    from nsa.ops.triton import selected_attention
+
+    for module in (forward, backward, query_grad, selected_forward, selected_backward):
+        monkeypatch.setattr(module, "supports", lambda *args: True)
+    for field in ("tiled_max_blocks", "tiled_max_blocks_forward", "gluon_selected_forward_min_elements",
+                  "gluon_selected_backward_min_elements"):
+        monkeypatch.setattr(tuning.TUNING, field, 0)
+    monkeypatch.setattr(selected_attention, "finalize", lambda *args, **kwargs: None)  # a Triton kernel
+    geometry = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+    B, T, H, G, D = 1, 300, 12, 2, 64
+    q = torch.randn(B, T, H, D, dtype=torch.bfloat16)
+    k, v = torch.randn(B, T, G, D, dtype=torch.bfloat16), torch.randn(B, T, G, D, dtype=torch.bfloat16)
+    lse, idx = torch.zeros(B, T, H), torch.zeros(B, T, G, geometry.n_sel, dtype=torch.int64)
+    inverse = tuple(torch.zeros(10, dtype=torch.int32) for _ in range(4))
+    o, lse_cmp = dispatch.span_forward(q, k, v, MODE_CMP, 0.1, geometry)
+    dk, dv = dispatch.span_dkdv(q, k, v, o, lse, lse, MODE_WIN, 0.1, geometry)
+    _, o_sel, _ = dispatch.selected_forward(q, k, v, idx, inverse, o, o, o[..., :3], 0.1, geometry)
+    *_, sel = dispatch.selected_backward(q, k, v, idx, inverse, o, lse, lse, 0.1, geometry)
+    dq = dispatch.query_grad(q, o, torch.zeros(3, B, T, H), torch.zeros(3, B, T, H), 0.1, geometry, (k, v), (k, v),
+                             sel)
+    assert sel.kind == SEL_DENSE and sel.dq.dtype == torch.float32  # the Gluon backward adds the rows' dQ
+    assert (o.shape, o_sel.shape, dk.shape, dq.dtype) == (q.shape, q.shape, k.shape, q.dtype)
+    assert gluon_binds == ["_span_forward_kernel", "_span_dkdv_kernel", "_selected_forward_kernel",
+                           "_selected_backward_kernel", "_query_grad_kernel"]
