@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nsa.ops.triton import decode, inverse_index, query_grad, range_attention, selected_attention, selection
+from nsa.ops.triton import decode, inverse_index, query_grad, selected_attention, selection, span_attention
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 DIMS = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64)
@@ -53,13 +53,13 @@ KERNELS = {
     "finalize": (selected_attention._finalize_kernel, dict(MERGE=True, DV=64, BLOCK_DV=64, BLOCK_M=64, NP=16, h=6),
                  dict(OPART=BF16, LSEPART=F32, IDX=I64, O_CMP=BF16, O_WIN=BF16, GATES=BF16, O=BF16, O_SEL=BF16,
                       LSE_SEL=F32), ()),
-    **{f"range_{kind}_{mode}": (kernel, dict(**DIMS, MODE=m, BLOCK_M=128, BLOCK_N=64, ONE_BLOCK=m == 2, h=6) | extra
+    **{f"span_{kind}_{mode}": (kernel, dict(**DIMS, MODE=m, BLOCK_M=128, BLOCK_N=64, ONE_BLOCK=m == 2, h=6) | extra
                                 | ({"GATED": m == 2} if kind == "fwd" else {}),
                                  dict(Q=BF16, K=BF16, V=BF16, O=BF16, LSE=F32, IDX=I64, DO=BF16,
                                       DELTA=F32, DQ=F32, DKo=F32, DVo=F32, O_CMP=BF16, O_WIN=BF16, GATES=BF16,
                                       OUT=BF16), ("scale_log2", "scale"))
-       for kind, kernel, extra in (("fwd", range_attention._range_fwd_kernel, {}),
-                                   ("dkdv", range_attention._range_bwd_dkdv_kernel, dict(ATOMIC=True)))
+       for kind, kernel, extra in (("fwd", span_attention._span_fwd_kernel, {}),
+                                   ("dkdv", span_attention._span_dkdv_kernel, dict(ATOMIC=True)))
        for m, mode in enumerate(("cmp", "win", "sel"))},
     **{f"query_grad_{name}": (query_grad._query_grad_kernel,
                                dict(**DIMS, HAS_CMP=True, HAS_WIN=True, SEL=sel, NP=16, BLOCK_M=64,

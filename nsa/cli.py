@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", type=_int_list, default=[], metavar="T,...",
                    help="also time forward+backward as each kernel launch parameter varies, at these lengths")
     p.add_argument("--sweep-params", default="", metavar="NAME,...",
-                   help="only these launch parameters in --sweep (default: all; see nsa/ops/triton/tuning.py)")
+                   help="only these launch parameters in --sweep (default: all; see nsa/ops/tuning.py)")
     p.add_argument("--batch", type=int, default=1, help="sequences per call (the tables use 1)")
     p.add_argument("--graphs", action="store_true",
                    help="time CUDA-graph replays of every call (NSA, dense, fla): the GPU's time without the host's "

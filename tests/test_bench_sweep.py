@@ -5,7 +5,7 @@ needs a GPU; here it is replaced by a recorder of the parameters in force."""
 import dataclasses
 
 import nsa.bench.attention as bench
-from nsa.ops.triton.tuning import TUNING
+from nsa.ops.tuning import TUNING
 
 JOINED = "dkdv_block_n+dkdv_block_m+dkdv_warps+dkdv_stages"
 

@@ -13,7 +13,7 @@ from nsa.config import load_config
 from nsa.errors import UserError
 from nsa.inference import decode_attention, decode_step, new_cache, prefill
 from nsa.inference.generate import generate, generate_text, generate_uncached, load_for_inference
-from nsa.model import ModelConfig, NSAConfig, Transformer
+from nsa.model import ModelConfig, NSAParams, Transformer
 from nsa.ops import reference
 from nsa.ops.geometry import num_compressed_blocks
 from nsa.train.loop import train
@@ -27,7 +27,7 @@ VOCAB = 61
 def tiny_model(attention="nsa", seed=0, **nsa_changes) -> Transformer:
     cfg = ModelConfig(
         attention=attention, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=64,
-        nsa=NSAConfig(**{"phi_hidden": 16, "gate_hidden": 16, **HYPER, **nsa_changes}, backend="reference"),
+        nsa=NSAParams(**{"phi_hidden": 16, "gate_hidden": 16, **HYPER, **nsa_changes}, backend="reference"),
     )
     torch.manual_seed(seed)
     model = Transformer(cfg).double().eval()
@@ -209,7 +209,7 @@ def test_tied_scores_go_to_the_lower_block_as_in_the_reference(n_sel, t, want):
     assert nc & (nc - 1) == 0
     layer.n_cmp.fill_(nc)
     q = torch.zeros(1, 4, 8, dtype=torch.float64)
-    decode_attention(q, torch.rand(1, 4, 3, dtype=torch.float64), layer, t, sel_block=8, n_sel=n_sel, window=16)
+    decode_attention(q, torch.rand(1, 4, 3, dtype=torch.float64), layer, t)
     sel = {k: HYPER[k] for k in ("block_len", "block_stride", "sel_block")}
     ref = reference.select_blocks(torch.zeros(1, t + 1, 4, 8, dtype=torch.float64), layer.k_cmp[:, :nc], **sel,
                                   n_sel=n_sel)
@@ -398,13 +398,13 @@ def test_the_compiled_nsa_step_writes_its_caches_in_place():
 
     from torch._inductor.utils import run_and_get_code
 
-    from nsa.inference.decode import _step_logits
+    from nsa.inference.decode import step_logits
 
     capacity = 4099  # prime: a loop over the token dimension shows as a size divisible by it
     model = tiny_model("nsa").float()
     cache = new_cache(model, 2, capacity)
     prefill(model, tokens_for(2, 30), cache)
-    step = torch.compile(_step_logits, dynamic=False)
+    step = torch.compile(step_logits, dynamic=False)
     with torch.no_grad():
         _, code = run_and_get_code(step, model, tokens_for(2, 1)[:, 0], cache.layers, cache.lengths)
     sizes = [int(n) for src in code for n in re.findall(r"(?:x\d+\s*<\s*(?:static_cast<int64_t>\()?|numel\s*=\s*)(\d+)", src)]

@@ -1,10 +1,12 @@
 """Top-n selection semantics: forced blocks, ties, padding, one selection per group."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from helpers import nsa_inputs
-from nsa.ops import reference, select_blocks
+from nsa.ops import NSAGeometry, reference, select_blocks
 
 
 def chosen_sets(idx):
@@ -107,3 +109,26 @@ def test_bad_hyperparameters_are_rejected():
         select_blocks(q, k_cmp[:, :-1], block_len=8, block_stride=4, sel_block=8, n_sel=3)
     with pytest.raises(ValueError, match="multiple of key/value groups"):
         select_blocks(q[:, :, :3], k_cmp, block_len=8, block_stride=4, sel_block=8, n_sel=3)
+
+
+def test_the_geometry_checks_its_rules_once_and_stands_for_the_keywords():
+    geometry = NSAGeometry(8, 4, 8, 3, 5)
+    assert geometry.as_tuple() == (8, 4, 8, 3, 5)
+    assert (geometry.num_compressed_blocks(40), geometry.num_selection_blocks(41)) == (9, 6)
+    assert geometry.num_compressed_blocks(7) == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        geometry.window = 6
+    for values, message in [((0, 4, 8, 3, 5), "block_len must be >= 1, got 0"),
+                            ((8, 4, 8, 3, 0), "window must be >= 1, got 0"),
+                            ((8, 3, 9, 3, 5), r"block_stride \(3\) must divide block_len \(8\)"),
+                            ((8, 4, 8, 2, 5), "n_sel must be >= 3"),
+                            ((8.5, 4, 8, 3, 5), "block_len must be an integer, got 8.5")]:
+        with pytest.raises(ValueError, match=message):
+            NSAGeometry(*values)
+    q, k_cmp, *_ = nsa_inputs(1, 40, 4, 2, 4, 4, block_len=8, block_stride=4)
+    keywords = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3)
+    assert torch.equal(select_blocks(q, k_cmp, geometry=geometry), select_blocks(q, k_cmp, **keywords))
+    with pytest.raises(ValueError, match="not both"):
+        select_blocks(q, k_cmp, geometry=geometry, **keywords)
+    with pytest.raises(ValueError, match="missing n_sel"):
+        select_blocks(q, k_cmp, block_len=8, block_stride=4, sel_block=8)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nsa.inference import decode_attention, decode_step, new_cache, prefill
-from nsa.model import ModelConfig, NSAConfig, Transformer
+from nsa.model import ModelConfig, NSAParams, Transformer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=2e-2, atol=2e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-5)
@@ -17,7 +17,7 @@ def model_for(n_heads, n_kv_heads, head_dim=8, backend="reference", **hyper):
     hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=4, window=12) | hyper
     cfg = ModelConfig(attention="nsa", vocab_size=53, dim=32, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
                       head_dim=head_dim, mlp_hidden=48,
-                      nsa=NSAConfig(**hp, phi_hidden=16, gate_hidden=16, backend=backend))
+                      nsa=NSAParams(**hp, phi_hidden=16, gate_hidden=16, backend=backend))
     torch.manual_seed(0)
     model = Transformer(cfg).eval().to(DEVICE)
     with torch.no_grad():
@@ -34,7 +34,8 @@ def random_layer_cache(model, positions, seed, capacity=80):
     for buf in (layer.k, layer.v, layer.k_cmp, layer.v_cmp):
         buf.copy_(torch.randn(buf.shape, generator=gen))
     t = torch.tensor(positions, device=DEVICE)
-    layer.n_cmp.copy_(((t + 1 - layer.block_len).div(layer.block_stride, rounding_mode="floor") + 1).clamp_min(0))
+    l, d = layer.geometry.block_len, layer.geometry.block_stride
+    layer.n_cmp.copy_(((t + 1 - l).div(d, rounding_mode="floor") + 1).clamp_min(0))
     return layer, t
 
 
@@ -43,17 +44,15 @@ def random_layer_cache(model, positions, seed, capacity=80):
 def test_triton_decode_kernel_matches_the_pytorch_path(heads, groups, head_dim):
     # head_dim 40: output columns in several tiles of the combine kernel, the last one partly masked.
     model = model_for(heads, groups, head_dim=head_dim)
-    nsa = model.cfg.nsa
     positions = [0, 6, 7, 31, 40, 63, 64, 79]  # before the first block, block edges, inside blocks, the end
     layer, t = random_layer_cache(model, positions, seed=heads)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(len(positions), heads, head_dim, generator=gen).to(DEVICE)
     gates = torch.rand(len(positions), heads, 3, generator=gen).to(DEVICE)
-    hyper = dict(sel_block=nsa.sel_block, n_sel=nsa.n_sel, window=nsa.window)
-    want, want_reads = decode_attention(q, gates, layer, t, **hyper, backend="reference")
+    want, want_reads = decode_attention(q, gates, layer, t, backend="reference")
     want_selected = layer.selected.clone()
     layer.selected.fill_(-7)
-    got, got_reads = decode_attention(q, gates, layer, t, **hyper, backend="triton")
+    got, got_reads = decode_attention(q, gates, layer, t, backend="triton")
     assert torch.equal(layer.selected, want_selected)
     assert torch.equal(got_reads, want_reads)
     torch.testing.assert_close(got, want, **TOL)
@@ -67,10 +66,9 @@ def test_triton_decode_with_a_long_window_and_blocks_across_chunks(seed):
     layer, t = random_layer_cache(model, [3, 33, 50, 79], seed=seed)
     gen = torch.Generator().manual_seed(seed)
     q, gates = torch.randn(4, 4, 8, generator=gen).to(DEVICE), torch.rand(4, 4, 3, generator=gen).to(DEVICE)
-    hyper = dict(sel_block=2, n_sel=8, window=100)
-    want, want_reads = decode_attention(q, gates, layer, t, **hyper, backend="reference")
+    want, want_reads = decode_attention(q, gates, layer, t, backend="reference")
     want_selected = layer.selected.clone()
-    got, got_reads = decode_attention(q, gates, layer, t, **hyper, backend="triton")
+    got, got_reads = decode_attention(q, gates, layer, t, backend="triton")
     assert torch.equal(layer.selected, want_selected) and torch.equal(got_reads, want_reads)
     torch.testing.assert_close(got, want, **TOL)
 
@@ -104,8 +102,7 @@ def _check_ranking(capacity, positions, block_len, sel_block):
     gen = torch.Generator().manual_seed(12)
     n = len(positions)
     q, gates = torch.randn(n, 6, 8, generator=gen).to(DEVICE), torch.rand(n, 6, 3, generator=gen).to(DEVICE)
-    hyper = dict(sel_block=sel_block, n_sel=8, window=100)
-    want, want_reads = decode_attention(q, gates, layer, t, **hyper, backend="reference")
+    want, want_reads = decode_attention(q, gates, layer, t, backend="reference")
     want_selected = layer.selected.clone()
     # Every query that reaches past the first group chooses unforced blocks in another: the ranking crosses
     # groups (and, at 1,050 blocks, the merge's tiles of 8 groups).
@@ -114,7 +111,7 @@ def _check_ranking(capacity, positions, block_len, sel_block):
     chosen = want_selected[far, 0]  # one key/value group
     assert far.any() and ((chosen >= 128) & (chosen < j_t[far, None] - 1)).any(-1).all()
     layer.selected.fill_(-7)
-    got, got_reads = decode_attention(q, gates, layer, t, **hyper, backend="triton")
+    got, got_reads = decode_attention(q, gates, layer, t, backend="triton")
     assert torch.equal(layer.selected, want_selected) and torch.equal(got_reads, want_reads)
     torch.testing.assert_close(got, want, **TOL)
 

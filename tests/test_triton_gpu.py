@@ -1,5 +1,4 @@
-"""The Triton kernels on a GPU at real shapes in bf16 (skipped without CUDA; run on the GPU machine,
-results recorded in benchmarks/RESULTS.md)."""
+"""The Triton and Gluon kernels on a GPU at real shapes in bf16 (skipped without CUDA)."""
 
 import dataclasses
 
@@ -7,12 +6,16 @@ import pytest
 import torch
 
 from helpers import NAMES, assert_same_selection, nsa_inputs
-from nsa.ops import nsa_attention, reference, select_blocks
-from nsa.ops.triton.tuning import TUNING
+from nsa.ops import NSAGeometry, dispatch, nsa_attention, reference, select_blocks
+from nsa.ops.branches import MODE_SEL
+from nsa.ops.triton.inverse_index import build_inverse_index
+from nsa.ops.triton.span_attention import chosen_bits
+from nsa.ops.tuning import TUNING
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
 
 HP = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+GEOMETRY = NSAGeometry(**HP)
 SELECT_HP = {k: HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel")}
 # name: (H, G, Dk, Dv)
 SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128), "dk192": (16, 1, 192, 128), "d128": (8, 2, 128, 128)}
@@ -73,43 +76,39 @@ def test_deterministic_mode_repeats_every_gradient_bit_for_bit(name, B, T):
 
 
 def branch_inputs(name, T, mode):
-    """(q, k, v, chosen bits or None, gates) of one range branch on two sequences of bf16 inputs, the raw keys and
+    """(q, k, v, chosen bits or None, gates) of one span branch on two sequences of bf16 inputs, the raw keys and
     values as the model hands them over: views into one wider projection."""
-    from nsa.ops.triton import range_attention as ra
-
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates = bf16_inputs(2, T, name, seed=T + mode, requires_grad=False)
     k_sel, v_sel, k_win, v_win = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)
     k, v = [(k_cmp, v_cmp), (k_win, v_win), (k_sel, v_sel)][mode]
     bits = None
-    if mode == ra.MODE_SEL:
+    if mode == MODE_SEL:
         idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
-        bits = ra.chosen_bits(idx, -(-T // HP["sel_block"]))
+        bits = chosen_bits(idx, -(-T // HP["sel_block"]))
     return q, k, v, bits, gates
 
 
 @pytest.mark.parametrize("name,T", [("m7c", 2081), ("m7c", 700), ("paper", 2048)])
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_hopper_forward_matches_the_triton_kernel(name, T, mode, monkeypatch):
-    # The Gluon forward (hopper_forward.py) has no CPU interpreter: here it meets the Triton kernel the CPU tests
-    # check, branch by branch, two sequences (offsets past the first), odd lengths, the gated sum.
-    from nsa.ops.triton import range_attention as ra
-    from nsa.ops.triton.hopper_forward import hopper_forward_supports
+def test_gluon_forward_matches_the_triton_kernel(name, T, mode, monkeypatch):
+    # The Gluon forward (nsa.ops.gluon.forward) has no CPU interpreter: here it meets the Triton kernel the CPU
+    # tests check, branch by branch, two sequences (offsets past the first), odd lengths, the gated sum.
+    from nsa.ops.gluon import forward as gluon_forward
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is built for sm_90")
     q, k, v, bits, gates = branch_inputs(name, T, mode)
     o_cmp, o_win = torch.randn_like(q), torch.randn_like(q)
-    gated = (o_cmp, o_win, gates) if mode == ra.MODE_SEL else None
-    assert hopper_forward_supports(q, k, v, mode, HP["sel_block"])
+    gated = (o_cmp, o_win, gates) if mode == MODE_SEL else None
+    assert gluon_forward.supports(q, k, v, mode, HP["sel_block"])
 
     def run():
-        return ra.range_attention_fwd(q, k, v, mode, q.shape[-1] ** -0.5, 32, 16, HP["window"], bits,
-                                      HP["sel_block"], gated)
+        return dispatch.span_forward(q, k, v, mode, q.shape[-1] ** -0.5, GEOMETRY, bits, gated)
 
-    hopper = run()
-    monkeypatch.setattr(TUNING, "hopper_forward", False)
+    gluon = run()
+    monkeypatch.setattr(TUNING, "gluon_forward", False)
     triton_ = run()
-    for a, b in zip(hopper, triton_):
+    for a, b in zip(gluon, triton_):
         if a.dtype == torch.float32:  # lse: -inf for the same rows (none visible), close elsewhere
             assert torch.equal(torch.isinf(a), torch.isinf(b))
             torch.testing.assert_close(a[torch.isfinite(b)], b[torch.isfinite(b)], rtol=0, atol=2e-3)
@@ -119,25 +118,23 @@ def test_hopper_forward_matches_the_triton_kernel(name, T, mode, monkeypatch):
 
 @pytest.mark.parametrize("name,T", [("m7c", 2081), ("m7c", 700), ("paper", 2048)])
 @pytest.mark.parametrize("mode", [0, 1, 2])
-def test_hopper_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
-    # The Gluon dK/dV kernel (hopper_backward.py) against the Triton one the CPU tests check: each branch, two
+def test_gluon_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
+    # The Gluon dK/dV kernel (nsa.ops.gluon.backward) against the Triton one the CPU tests check: each branch, two
     # sequences, odd lengths, keys and values as views into one projection, row splits added atomically.
-    from nsa.ops.triton import range_attention as ra
-    from nsa.ops.triton.hopper_backward import hopper_backward_supports
+    from nsa.ops.gluon import backward as gluon_backward
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon dK/dV kernel is built for sm_90")
     q, k, v, bits, _ = branch_inputs(name, T, mode)
     scale = q.shape[-1] ** -0.5
-    args = (mode, scale, 32, 16, HP["window"])
-    o, lse = ra.range_attention_fwd(q, k, v, *args, bits, HP["sel_block"])
+    o, lse = dispatch.span_forward(q, k, v, mode, scale, GEOMETRY, bits)
     do = torch.randn_like(o)
     delta = (do.float() * o.float()).sum(-1)
-    assert hopper_backward_supports(q, k, v, do, mode, HP["sel_block"])
-    hopper = ra.range_attention_dkdv(q, k, v, do, lse, delta, *args, bits, HP["sel_block"])
-    monkeypatch.setattr(TUNING, "hopper_backward", False)
-    triton_ = ra.range_attention_dkdv(q, k, v, do, lse, delta, *args, bits, HP["sel_block"])
-    for grad_name, a, b in zip(("dk", "dv"), hopper, triton_):
+    assert gluon_backward.supports(q, k, v, do, mode, HP["sel_block"])
+    gluon = dispatch.span_dkdv(q, k, v, do, lse, delta, mode, scale, GEOMETRY, bits)
+    monkeypatch.setattr(TUNING, "gluon_backward", False)
+    triton_ = dispatch.span_dkdv(q, k, v, do, lse, delta, mode, scale, GEOMETRY, bits)
+    for grad_name, a, b in zip(("dk", "dv"), gluon, triton_):
         assert torch.isfinite(a).all(), grad_name
         assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
 
@@ -145,8 +142,6 @@ def test_hopper_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
 def gathered_selected_inputs(name, T, monkeypatch):
     """(q, k, v, gates, indices, inverse index) of the block-centric selected branch on two bf16 sequences, keys and
     values as views into one projection, short sequences forced off the tiled path; skips off sm_90."""
-    from nsa.ops.triton import selected_attention as sa
-
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are built for sm_90")
     for field in ("tiled_max_blocks", "tiled_max_blocks_large_groups", "tiled_max_blocks_forward"):
@@ -154,17 +149,15 @@ def gathered_selected_inputs(name, T, monkeypatch):
     q, k_cmp, _, k_sel, v_sel, k_win, v_win, gates = bf16_inputs(2, T, name, seed=T, requires_grad=False)
     k, v = torch.stack([k_sel, v_sel, k_win, v_win], dim=2).unbind(2)[:2]
     idx = select_blocks(q, k_cmp, **SELECT_HP, backend="triton")
-    return q, k, v, gates, idx, sa.build_inverse_index(idx, T, HP["sel_block"])
+    return q, k, v, gates, idx, build_inverse_index(idx, T, HP["sel_block"])
 
 
-def gluon_and_triton(monkeypatch, launcher, switch, call):
-    """{True: call() with the Gluon kernel, False: with Triton's}, asserting that the Gluon launcher (a name in
-    selected_attention) ran exactly once."""
-    from nsa.ops.triton import selected_attention as sa
-
+def gluon_and_triton(monkeypatch, module, switch, call):
+    """{True: call() with the Gluon kernel, False: with Triton's}, asserting that the Gluon kernel's launch (in
+    `module`, of nsa.ops.gluon) ran exactly once."""
     calls = []
-    original = getattr(sa, launcher)
-    monkeypatch.setattr(sa, launcher, lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
+    original = module.launch
+    monkeypatch.setattr(module, "launch", lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
     runs = {}
     for gluon in (True, False):
         monkeypatch.setattr(TUNING, switch, gluon)
@@ -173,67 +166,65 @@ def gluon_and_triton(monkeypatch, launcher, switch, call):
     return runs
 
 
-@pytest.mark.parametrize("name,T", [("m7c", 4133), ("m7c", 700), ("m7c", 129), ("d128", 2500), ("paper", 4500)])
-def test_hopper_selected_forward_matches_the_triton_kernel(name, T, monkeypatch):
-    # The Gluon block-centric selected forward (hopper_selected_forward.py) against the Triton kernel the CPU tests
-    # check, through the finalize merge: o_sel, its lse and the gated sum; M7C's group of 6 and a group of 4 at head
-    # dim 128, a last partial block. The paper shape's 16 heads a group go block-centric only with the Gluon kernel
-    # (and token_min_heads_forward above 16): there it is checked against the per-query Triton kernel.
-    from nsa.ops.triton import selected_attention as sa
+@pytest.mark.parametrize("name,T", [("m7c", 4133), ("m7c", 700), ("m7c", 129), ("d128", 2500)])
+def test_gluon_selected_forward_matches_the_triton_kernel(name, T, monkeypatch):
+    # The Gluon block-centric selected forward (nsa.ops.gluon.selected_forward) against the Triton kernel the CPU
+    # tests check, through the finalize merge: o_sel, its lse and the gated sum; M7C's group of 6 and a group of 4 at
+    # head dim 128, a last partial block.
+    from nsa.ops.gluon import selected_forward as gluon_selected_forward
 
-    monkeypatch.setattr(TUNING, "hopper_selected_forward_min_elements", 0)
-    monkeypatch.setattr(TUNING, "token_min_heads_forward", 32)
+    monkeypatch.setattr(TUNING, "gluon_selected_forward_min_elements", 0)
     q, k, v, gates, idx, inverse = gathered_selected_inputs(name, T, monkeypatch)
     o_cmp, o_win = torch.randn_like(q), torch.randn_like(q)
-    runs = gluon_and_triton(monkeypatch, "selected_forward_hopper", "hopper_selected_forward", lambda: (
-        sa.selected_forward(q, k, v, idx, inverse, o_cmp, o_win, gates, q.shape[-1] ** -0.5, HP["sel_block"])))
+    runs = gluon_and_triton(monkeypatch, gluon_selected_forward, "gluon_selected_forward", lambda: (
+        dispatch.selected_forward(q, k, v, idx, inverse, o_cmp, o_win, gates, q.shape[-1] ** -0.5, GEOMETRY)))
     for out_name, a, b in zip(("o", "o_sel", "lse_sel"), runs[True], runs[False]):
         assert torch.isfinite(a).all(), out_name
         assert rel_err(a, b) < 5e-3, (out_name, rel_err(a, b))
 
 
 @pytest.mark.parametrize("name,T", [("m7c", 4133), ("m7c", 700), ("paper", 4500), ("paper", 2048)])
-def test_hopper_selected_backward_matches_the_triton_kernel(name, T, monkeypatch):
-    # The Gluon block-centric selected backward (hopper_selected_backward.py) against the Triton kernel the CPU
+def test_gluon_selected_backward_matches_the_triton_kernel(name, T, monkeypatch):
+    # The Gluon block-centric selected backward (nsa.ops.gluon.selected_backward) against the Triton kernel the CPU
     # tests check: dK/dV and, at M7C's group of 6, the rows' dQ shares; a last partial block (700, 4133, 4500).
-    from nsa.ops.triton import selected_attention as sa
+    from nsa.ops.gluon import selected_backward as gluon_selected_backward
 
-    monkeypatch.setattr(TUNING, "hopper_selected_backward_min_elements", 0)
+    monkeypatch.setattr(TUNING, "gluon_selected_backward_min_elements", 0)
     q, k, v, gates, idx, inverse = gathered_selected_inputs(name, T, monkeypatch)
     scale = q.shape[-1] ** -0.5
-    _, o_sel, lse = sa.selected_forward(q, k, v, idx, inverse, torch.randn_like(q), torch.randn_like(q), gates,
-                                        scale, HP["sel_block"])
+    _, o_sel, lse = dispatch.selected_forward(q, k, v, idx, inverse, torch.randn_like(q), torch.randn_like(q), gates,
+                                              scale, GEOMETRY)
     do = torch.randn_like(o_sel)
     delta = (do.float() * o_sel.float()).sum(-1)
-    runs = gluon_and_triton(monkeypatch, "selected_backward_hopper", "hopper_selected_backward", lambda: (
-        sa.selected_backward(q, k, v, idx, inverse, do, lse, delta, scale, HP["sel_block"])))
+    runs = gluon_and_triton(monkeypatch, gluon_selected_backward, "gluon_selected_backward", lambda: (
+        dispatch.selected_backward(q, k, v, idx, inverse, do, lse, delta, scale, GEOMETRY)))
     (dk, dv, sel), (dk_t, dv_t, sel_t) = runs[True], runs[False]
     for grad_name, a, b in (("dk", dk, dk_t), ("dv", dv, dv_t)):
         assert torch.isfinite(a).all(), grad_name
         assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
     if sel_t.parts is not None:
         # The Triton kernel writes a dQ share per (query, slot, head); the Gluon one adds them into one float32 dQ
-        # (Tuning.selected_dq_adds). Their sums over the used slots must agree.
+        # (outside deterministic mode). Their sums over the used slots must agree.
         assert sel.dq is not None and sel.parts is None, "the Gluon kernel did not add the rows' dQ"
         assert rel_err(sel.dq, sel_t.dense()) < 5e-3, rel_err(sel.dq, sel_t.dense())
 
 
 @pytest.mark.parametrize("name,T", [("m7c", 2081), ("m7c", 700), ("m7c", 4133), ("paper", 2048), ("paper", 4500)])
-def test_hopper_query_grad_matches_the_triton_kernel(name, T, monkeypatch):
-    # The Gluon dQ kernel (hopper_query_grad.py) against the Triton one inside a whole backward: the selected
+def test_gluon_query_grad_matches_the_triton_kernel(name, T, monkeypatch):
+    # The Gluon dQ kernel (nsa.ops.gluon.query_grad) against the Triton one inside a whole backward: the selected
     # branch's share tiled (short T), as block-centric partials (M7C at 4k) and as a per-query dQ (paper at 4.5k).
-    from nsa.ops.triton import query_grad as qg
+    from nsa.ops.gluon import query_grad as gluon_query_grad
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon dQ kernel is built for sm_90")
     calls = []
-    original = qg.query_grad_hopper
-    monkeypatch.setattr(qg, "query_grad_hopper", lambda *a, **k: (calls.append(a[11]), original(*a, **k))[1])
+    original = gluon_query_grad.launch
+    monkeypatch.setattr(gluon_query_grad, "launch", lambda *a, **k: (calls.append(a[9].kind), original(*a, **k))[1])
     ins = bf16_inputs(2, T, name, seed=T)
     do = torch.randn(ins[0].shape[:3] + (ins[4].shape[-1],), device="cuda", dtype=torch.bfloat16)
     grads = {}
     for gluon in (True, False):
-        monkeypatch.setattr(TUNING, "hopper_query_grad", gluon)
+        monkeypatch.setattr(TUNING, "gluon_query_grad", gluon)
         out = nsa_attention(*ins, **HP, backend="triton")
         grads[gluon] = torch.autograd.grad(out, ins[0], do)[0]
     assert calls, "the Gluon dQ kernel did not run"
@@ -263,15 +254,13 @@ def test_long_sequences_stay_finite_and_agree_with_their_prefix(T, monkeypatch):
 def test_branch_streams_change_no_number(B, T, monkeypatch):
     """The compressed (and window) branch on a side stream: the same output and gradients as all on one stream, over
     repeated steps (a missing wait would read a branch's output before it is written)."""
-    from nsa.ops.triton.streams import Beside
-
     ins = bf16_inputs(B, T, "m7c", seed=B)
     do = torch.randn_like(ins[0][..., :64])
     monkeypatch.setattr(TUNING, "branch_streams_min_elements", 0)  # these calls are smaller than the default's
 
     def steps(on: bool):
         monkeypatch.setattr(TUNING, "branch_streams", on)
-        assert Beside(ins[0]).on == on
+        assert dispatch.side_stream(ins[0]).on == on
         results = []
         for _ in range(3):
             out = nsa_attention(*ins, **HP, backend="triton")
@@ -290,16 +279,15 @@ def test_branch_streams_inside_a_captured_cuda_graph(B, T, name, monkeypatch):
     """Captured in a CUDA graph, the branches fork to the side stream at any size; replays on new inputs give the
     one-stream eager numbers (a missing edge would let a replay read a branch's output before it is written, or
     let the side stream overwrite memory the main stream still reads)."""
-    from nsa.ops.triton.streams import Beside
-
     static = bf16_inputs(B, T, name, seed=1)
     do = torch.randn_like(static[0][..., :SHAPES[name][3]])
     forks = []
-    init = Beside.__init__
+    side_stream = dispatch.side_stream
 
-    def spy(self, q):
-        init(self, q)
-        forks.append(self.on)
+    def spy(q):
+        side = side_stream(q)
+        forks.append(side.on)
+        return side
 
     def step():
         out = nsa_attention(*static, **HP, backend="triton")
@@ -310,12 +298,12 @@ def test_branch_streams_inside_a_captured_cuda_graph(B, T, name, monkeypatch):
     with torch.cuda.stream(side):
         step()  # warm-up (compilation) outside the capture
     torch.cuda.current_stream().wait_stream(side)
-    monkeypatch.setattr(Beside, "__init__", spy)
+    monkeypatch.setattr(dispatch, "side_stream", spy)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
     assert forks == [True, True], "the forward and backward forked to the side stream while captured"
-    monkeypatch.setattr(Beside, "__init__", init)
+    monkeypatch.setattr(dispatch, "side_stream", side_stream)
     monkeypatch.setattr(TUNING, "branch_streams", False)
     for seed in (2, 3):
         fresh = bf16_inputs(B, T, name, seed=seed)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from helpers import NAMES, LaunchSpy, assert_same_selection, nsa_inputs
-from nsa.ops import nsa_attention, reference, select_blocks
-from nsa.ops.triton.range_attention import MODE_CMP, chosen_bits, range_attention_fwd
-from nsa.ops.triton import tuning
-from nsa.ops.triton.inverse_index import _key_dtype, inverse_index
-from nsa.ops.triton.selected_attention import BLOCKS, TILED, TOKEN, selected_path
+from nsa.ops import NSAGeometry, nsa_attention, reference, select_blocks, tuning
+from nsa.ops.branches import BLOCKS, MODE_CMP, TILED, TOKEN
+from nsa.ops.dispatch import selected_path, span_forward
+from nsa.ops.triton.inverse_index import inverse_index, sort_key_dtype
 from nsa.ops.triton.selection import select_blocks_fwd
+from nsa.ops.triton.span_attention import chosen_bits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = dict(rtol=2e-2, atol=2e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-5)
@@ -60,16 +60,6 @@ def test_selected_path_is_tiled_while_blocks_are_few_then_by_group_size():
     assert selected_path(few * 64 + 1, 6, 64, forward=True) == BLOCKS
 
 
-def test_large_groups_forward_goes_block_centric_only_with_the_gluon_kernel_and_the_knob_raised(monkeypatch):
-    T = 65 * 64  # past every tiled limit
-    assert selected_path(T, 16, 64, forward=True, gluon_forward=True) == TOKEN  # the default keeps per-query
-    monkeypatch.setattr(tuning.TUNING, "token_min_heads_forward", 32)
-    assert selected_path(T, 16, 64, forward=True, gluon_forward=True) == BLOCKS
-    assert selected_path(T, 16, 64, forward=True, gluon_forward=False) == TOKEN  # Triton's per-query stays
-    assert selected_path(T, 16, 64, gluon_forward=True) == TOKEN  # the backward follows token_min_heads
-    assert selected_path(T, 32, 64, forward=True, gluon_forward=True) == TOKEN
-
-
 def test_chosen_bits_mark_exactly_the_chosen_blocks():
     idx = torch.tensor([[[[0, 5, -1], [63, 2, 1]]]])  # [B=1, T=1, G=2, n=3]
     bits = chosen_bits(idx, 64)
@@ -104,13 +94,13 @@ def test_triton_nsa_matches_reference_forward_and_every_gradient(case, sel_path)
 def test_a_forward_without_gradients_skips_the_inverse_index_a_block_centric_backward_needs(monkeypatch):
     # Between the two tiled limits the forward is tiled and the backward block-centric: the forward builds the
     # backward's inverse index only when a backward can follow.
-    from nsa.ops.triton import attention
+    from nsa.ops import custom_ops
 
     monkeypatch.setattr(tuning.TUNING, "tiled_max_blocks", 0)
     monkeypatch.setattr(tuning.TUNING, "tiled_max_blocks_forward", 10**9)
     built = []
-    original = attention.build_inverse_index
-    monkeypatch.setattr(attention, "build_inverse_index", lambda *a: built.append(1) or original(*a))
+    original = custom_ops.build_inverse_index
+    monkeypatch.setattr(custom_ops, "build_inverse_index", lambda *a: built.append(1) or original(*a))
     hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
     ins = inputs(1, 37, 6, 2, 8, 8, block_len=8, block_stride=4, seed=5)
     ref = nsa_attention(*ins, **hp, backend="reference")
@@ -132,11 +122,11 @@ def test_only_the_output_takes_a_gradient_and_no_zero_gradient_is_filled_for_the
     # must neither treat them as differentiable nor fill a zero gradient for each before the backward.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from nsa.ops.triton import attention
+    from nsa.ops import custom_ops
 
-    hp = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
+    geometry = NSAGeometry(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
     ins = inputs(1, 37, 6, 2, 8, 8, block_len=8, block_stride=4, seed=5, requires_grad=True)
-    outs = attention.nsa_forward(*ins, *hp.values(), 8**-0.5, True)
+    outs = custom_ops.nsa_forward(*ins, *geometry.as_tuple(), 8**-0.5, True)
     assert [t.requires_grad for t in outs] == [True] + [False] * 11
 
     class Created(TorchDispatchMode):
@@ -169,10 +159,10 @@ def small_splits(monkeypatch):
 @pytest.fixture
 def spies(monkeypatch):
     """The split dK/dV kernel's and the selected backward's launches, by kernel name."""
-    from nsa.ops.triton import range_attention, selected_attention
+    from nsa.ops.triton import selected_attention, span_attention
 
     found = {}
-    for module, name in ((range_attention, "_range_bwd_dkdv_kernel"), (selected_attention, "_sel_bwd_kernel")):
+    for module, name in ((span_attention, "_span_dkdv_kernel"), (selected_attention, "_sel_bwd_kernel")):
         found[name] = LaunchSpy(getattr(module, name))
         monkeypatch.setattr(module, name, found[name])
     return found
@@ -210,18 +200,18 @@ def test_deterministic_mode_adds_no_atomics_matches_the_reference_and_repeats_bi
     for name, g, again, r in zip(NAMES, *runs, ref_grads):
         torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"d{name}: {m}")
         assert torch.equal(g, again), f"d{name} differs between two deterministic runs"
-    split_launches = [kw for grid, kw in spies["_range_bwd_dkdv_kernel"].launches if grid[1] > 1]
+    split_launches = [kw for grid, kw in spies["_span_dkdv_kernel"].launches if grid[1] > 1]
     assert split_launches and not any(kw["ATOMIC"] for kw in split_launches)
     item_launches = spies["_sel_bwd_kernel"].launches
     assert all(kw["PARTIALS"] for _, kw in item_launches)
     assert item_launches or sel_path == "tiled"
 
 
-def test_unfilled_lifts_the_nan_fill_of_deterministic_mode_and_restores_it():
-    from nsa.ops.triton.common import unfilled
+def test_skip_deterministic_fill_lifts_the_nan_fill_of_deterministic_mode_and_restores_it():
+    from nsa.ops.triton.common import skip_deterministic_fill
 
     with pytest.raises(ValueError):
-        with unfilled():
+        with skip_deterministic_fill():
             assert torch.utils.deterministic.fill_uninitialized_memory is False
             raise ValueError
     assert torch.utils.deterministic.fill_uninitialized_memory is True
@@ -234,7 +224,7 @@ def test_without_deterministic_mode_split_rows_and_items_add_atomically(small_sp
     ins = inputs(B, T, H, G, Dk, Dv, block_len=l, block_stride=d, seed=T, requires_grad=True)
     out = nsa_attention(*ins, **hp, backend="triton")
     torch.autograd.grad(out, ins, torch.randn_like(out))
-    assert any(kw["ATOMIC"] for grid, kw in spies["_range_bwd_dkdv_kernel"].launches if grid[1] > 1)
+    assert any(kw["ATOMIC"] for grid, kw in spies["_span_dkdv_kernel"].launches if grid[1] > 1)
     assert spies["_sel_bwd_kernel"].launches and not any(kw["PARTIALS"] for _, kw in spies["_sel_bwd_kernel"].launches)
 
 
@@ -299,7 +289,7 @@ def test_selection_ties_go_to_the_lower_block():
 @pytest.mark.parametrize("query_range", [None, 7])
 def test_inverse_index_lists_every_query_of_every_block_in_chunks(B, T, G, n, Ns, key_dtype, query_range):
     # The sort's keys take the narrowest type that holds B * G * Ns + 1 values (one byte, two, four).
-    assert _key_dtype(B * G * Ns) == key_dtype
+    assert sort_key_dtype(B * G * Ns) == key_dtype
     torch.manual_seed(0)
     idx = torch.randint(-1, Ns, (B, T, G, n))
     key, start, count, entries = (x.cpu() for x in inverse_index(idx.to(DEVICE), Ns, chunk=3,
@@ -346,7 +336,8 @@ def test_inverse_index_lists_every_query_of_every_block_in_chunks(B, T, G, n, Ns
 def test_block_centric_selected_dq_partials_sum_to_the_reference_gradient(monkeypatch):
     # SelectedDQ.dense sums the per-(query, slot, head) partials over the used slots: it must give dQ of the
     # selected branch (the GPU tests compare the Gluon kernel's float32 dQ with it).
-    from nsa.ops.triton import selected_attention as sa
+    from nsa.ops import dispatch
+    from nsa.ops.triton.inverse_index import build_inverse_index
 
     for field in ("tiled_max_blocks", "tiled_max_blocks_forward"):
         monkeypatch.setattr(tuning.TUNING, field, 0)
@@ -357,11 +348,12 @@ def test_block_centric_selected_dq_partials_sum_to_the_reference_gradient(monkey
     idx = select_blocks(q, k_cmp, block_len=8, block_stride=4, sel_block=sb, n_sel=3, backend="triton")
     assert (idx < 0).any(), "no unused slot: the sum's mask would go unchecked"
     q, k, v, idx = (x.to(DEVICE) for x in (q, k, v, idx))
-    inverse = sa.build_inverse_index(idx, T, sb)
+    inverse = build_inverse_index(idx, T, sb)
+    geometry = NSAGeometry(block_len=8, block_stride=4, sel_block=sb, n_sel=3, window=1)
     o_other, gates = torch.zeros_like(q), torch.ones(B, T, H, 3, device=DEVICE)
-    _, o_sel, lse = sa.selected_forward(q, k, v, idx, inverse, o_other, o_other, gates, D**-0.5, sb)
+    _, o_sel, lse = dispatch.selected_forward(q, k, v, idx, inverse, o_other, o_other, gates, D**-0.5, geometry)
     do = torch.randn_like(o_sel)
-    _, _, sel = sa.selected_backward(q, k, v, idx, inverse, do, lse, (do * o_sel).sum(-1), D**-0.5, sb)
+    _, _, sel = dispatch.selected_backward(q, k, v, idx, inverse, do, lse, (do * o_sel).sum(-1), D**-0.5, geometry)
     assert sel.parts is not None
     qr = q.detach().cpu().requires_grad_()
     ref = reference.selected_attention(qr, k.cpu(), v.cpu(), idx.cpu(), sel_block=sb)
@@ -389,10 +381,11 @@ def test_each_branch_alone_matches_the_reference(branch, sel_path):
 
 def test_compressed_kernel_reports_minus_infinity_lse_where_nothing_is_visible():
     q, k_cmp, v_cmp, *_ = inputs(1, 20, 2, 1, 8, 8, block_len=8, block_stride=4, seed=2)
-    o, lse = range_attention_fwd(q, k_cmp, v_cmp, MODE_CMP, 0.3, 8, 4, 1)
+    geometry = NSAGeometry(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=1)
+    o, lse = span_forward(q, k_cmp, v_cmp, MODE_CMP, 0.3, geometry)
     assert torch.isinf(lse[:, :7]).all() and (o[:, :7] == 0).all()
     assert torch.isfinite(lse[:, 7:]).all()
-    idx = select_blocks_fwd(q, k_cmp, lse, 0.3, 8, 4, 8, 3)
+    idx = select_blocks_fwd(q, k_cmp, lse, 0.3, geometry)
     assert idx[0, 0, 0].tolist() == [0, -1, -1]
 
 
@@ -405,3 +398,100 @@ def test_auto_backend_is_triton_on_cuda_and_the_reference_elsewhere():
     assert _resolve("triton", torch.device("cuda"), 0) == "reference"  # empty sequences need no kernel
     with pytest.raises(ValueError, match="unknown NSA backend"):
         _resolve("flash", torch.device("cpu"), 10)
+
+
+GLUON_KERNELS = [("forward", "_span_forward_kernel"), ("backward", "_span_dkdv_kernel"),
+                 ("query_grad", "_query_grad_kernel"), ("selected_forward", "_selected_forward_kernel"),
+                 ("selected_backward", "_selected_backward_kernel")]
+
+
+@pytest.fixture
+def gluon_binds(monkeypatch):
+    """The Gluon kernels (which run only on an sm_90 GPU) replaced by stand-ins that bind each launch's arguments to
+    the kernel's parameters (a missing, extra or doubled one fails) and record the kernel's name."""
+    import importlib
+    import inspect
+
+    launched = []
+
+    class Bind:
+        def __init__(self, kernel):
+            self.signature = inspect.signature(kernel.fn)
+            self.name = kernel.fn.__name__
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                bound = self.signature.bind(*args, **kwargs)
+                missing = [n for n, p in self.signature.parameters.items()
+                           if n not in bound.arguments and p.default is p.empty]
+                assert not missing, (self.name, missing)
+                launched.append(self.name)
+            return launch
+
+    for module, name in GLUON_KERNELS:
+        module = importlib.import_module(f"nsa.ops.gluon.{module}")
+        monkeypatch.setattr(module, name, Bind(getattr(module, name)))
+    return launched
+
+
+def test_every_gluon_launch_passes_each_argument_its_kernel_takes(gluon_binds):
+    from nsa.ops.branches import SEL_DENSE, SEL_PARTS, SEL_TILED, SelectedDQ
+    from nsa.ops.gluon import backward, forward, query_grad, selected_backward, selected_forward
+
+    geometry = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+    B, T, H, G, D, n = 2, 300, 12, 2, 64, 16
+    q, o = torch.randn(B, T, H, D, dtype=torch.bfloat16), torch.empty(B, T, H, D, dtype=torch.bfloat16)
+    k, v = torch.randn(B, T, G, D, dtype=torch.bfloat16), torch.randn(B, T, G, D, dtype=torch.bfloat16)
+    lse, gates = torch.empty(B, T, H), torch.rand(B, T, H, 3, dtype=torch.bfloat16)
+    bits, idx = torch.zeros(B, T, G, dtype=torch.int64), torch.zeros(B, T, G, n, dtype=torch.int64)
+    for mode, chosen, strides, gated in ((0, q, (0, 0, 0), None), (2, bits, bits.stride(), (o, o, gates))):
+        forward.launch(q, k, v, o, lse, mode, 0.1, geometry, chosen, strides, gated, o)
+        for parts in (1, 3):
+            grads = torch.zeros(parts, *k.shape)
+            backward.launch(q, k, v, o, lse, lse, grads, grads, mode, 0.1, geometry, chosen, strides, 3, 256)
+    parts = torch.empty(B * G * T * n, H // G, D, dtype=torch.bfloat16)
+    for sel in (SelectedDQ(SEL_TILED, k=k, v=v, choice=bits), SelectedDQ(SEL_PARTS, choice=idx, parts=parts),
+                SelectedDQ(SEL_DENSE, choice=idx, dq=torch.empty(B, T, H, D))):
+        query_grad.launch(q, o, o, torch.empty(3, B, T, H), torch.empty(3, B, T, H), 0.1, geometry, (k, v), (k, v),
+                          sel)
+    inverse = tuple(torch.zeros(10, dtype=torch.int32) for _ in range(4))
+    selected_forward.launch(q, k, v, inverse, parts, torch.empty(B * G * T * n, H // G), 0.1, n)
+    for partials, dq_add in ((False, False), (False, True), (True, False)):
+        dq = torch.zeros(B, T, H, D) if dq_add else parts
+        grads = torch.zeros(10, 64, D) if partials else torch.zeros(k.shape)
+        selected_backward.launch(q, k, v, o, lse, lse, grads, grads, dq, inverse, 0.1, n, True, partials, dq_add)
+    assert gluon_binds == ["_span_forward_kernel"] + ["_span_dkdv_kernel"] * 2 + ["_span_forward_kernel"] + [
+        "_span_dkdv_kernel"] * 2 + ["_query_grad_kernel"] * 3 + ["_selected_forward_kernel"] + [
+        "_selected_backward_kernel"] * 3
+
+
+def test_dispatch_runs_each_stage_on_its_gluon_kernel_where_that_applies(gluon_binds, monkeypatch):
+    # Where every Gluon kernel takes the call (as on an sm_90 GPU in bf16), each stage of the op launches it with
+    # the buffers dispatch made (bound to the kernel's parameters by the stand-ins).
+    from nsa.ops import dispatch
+    from nsa.ops.branches import MODE_CMP, MODE_WIN, SEL_DENSE
+    from nsa.ops.gluon import backward, forward, query_grad, selected_backward, selected_forward
+    from nsa.ops.triton import selected_attention
+
+    for module in (forward, backward, query_grad, selected_forward, selected_backward):
+        monkeypatch.setattr(module, "supports", lambda *args: True)
+    for field in ("tiled_max_blocks", "tiled_max_blocks_forward", "gluon_selected_forward_min_elements",
+                  "gluon_selected_backward_min_elements"):
+        monkeypatch.setattr(tuning.TUNING, field, 0)
+    monkeypatch.setattr(selected_attention, "finalize", lambda *args, **kwargs: None)  # a Triton kernel
+    geometry = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+    B, T, H, G, D = 1, 300, 12, 2, 64
+    q = torch.randn(B, T, H, D, dtype=torch.bfloat16)
+    k, v = torch.randn(B, T, G, D, dtype=torch.bfloat16), torch.randn(B, T, G, D, dtype=torch.bfloat16)
+    lse, idx = torch.zeros(B, T, H), torch.zeros(B, T, G, geometry.n_sel, dtype=torch.int64)
+    inverse = tuple(torch.zeros(10, dtype=torch.int32) for _ in range(4))
+    o, lse_cmp = dispatch.span_forward(q, k, v, MODE_CMP, 0.1, geometry)
+    dk, dv = dispatch.span_dkdv(q, k, v, o, lse, lse, MODE_WIN, 0.1, geometry)
+    _, o_sel, _ = dispatch.selected_forward(q, k, v, idx, inverse, o, o, o[..., :3], 0.1, geometry)
+    *_, sel = dispatch.selected_backward(q, k, v, idx, inverse, o, lse, lse, 0.1, geometry)
+    dq = dispatch.query_grad(q, o, torch.zeros(3, B, T, H), torch.zeros(3, B, T, H), 0.1, geometry, (k, v), (k, v),
+                             sel)
+    assert sel.kind == SEL_DENSE and sel.dq.dtype == torch.float32  # the Gluon backward adds the rows' dQ
+    assert (o.shape, o_sel.shape, dk.shape, dq.dtype) == (q.shape, q.shape, k.shape, q.dtype)
+    assert gluon_binds == ["_span_forward_kernel", "_span_dkdv_kernel", "_selected_forward_kernel",
+                           "_selected_backward_kernel", "_query_grad_kernel"]

@@ -15,20 +15,20 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..ops import nsa_attention
-from ..ops.geometry import num_compressed_blocks
+from ..ops import NSAGeometry, nsa_attention
 from ..plots.bench import picture
 from .common import environment, format_table, graphed, print_row, time_cuda, write_results
 
 SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128)}
 """name: (query heads, key/value heads, Dk, Dv)."""
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536, 131072]
-HP = dict(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+GEOMETRY = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+"""M7C's and the paper's NSA geometry, every shape's here."""
 
 
 def make_inputs(T: int, H: int, G: int, Dk: int, Dv: int, seed: int = 0, batch: int = 1) -> list[torch.Tensor]:
     g = torch.Generator("cuda").manual_seed(seed)
-    nc = num_compressed_blocks(T, HP["block_len"], HP["block_stride"])
+    nc = GEOMETRY.num_compressed_blocks(T)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -44,12 +44,12 @@ def selected_branch_inputs(T: int, batch: int, shape: str = "m7c"):
     """(q, k, v, inverse) for timing the block-centric selected kernels alone: random inputs, their own selection,
     and the inverse index the library builds from it (benchmarks/selected_*_variants.py)."""
     from ..ops import select_blocks
-    from ..ops.triton.selected_attention import build_inverse_index
+    from ..ops.triton.inverse_index import build_inverse_index
 
     H, G, D, Dv = SHAPES[shape]
     q, k_cmp, _, k, v, *_ = (x.detach() for x in make_inputs(T, H, G, D, Dv, batch=batch))
-    idx = select_blocks(q, k_cmp, **{x: HP[x] for x in ("block_len", "block_stride", "sel_block", "n_sel")})
-    return q, k, v, build_inverse_index(idx, T, HP["sel_block"])
+    idx = select_blocks(q, k_cmp, geometry=GEOMETRY)
+    return q, k, v, build_inverse_index(idx, T, GEOMETRY.sel_block)
 
 
 def _fwd_bwd(forward, tensors):
@@ -68,12 +68,12 @@ def _fwd_bwd(forward, tensors):
 
 
 def _nsa(ins):
-    return lambda: nsa_attention(*ins, **HP)
+    return lambda: nsa_attention(*ins, geometry=GEOMETRY)
 
 
 DENSE_BACKENDS = ("flash", "cudnn")
-"""Dense references: SDPA's flash backend (FlashAttention-2, the reference of docs/performance.md) and cuDNN's
-attention, which PyTorch picks by default on Hopper and which a dense model's training step then runs."""
+"""Dense references: SDPA's flash backend (FlashAttention-2, the dense reference of docs/performance.md) and cuDNN's
+attention, which PyTorch picks by default on Hopper and which a dense model's training step runs."""
 
 
 def _dense_inputs(ins) -> list[torch.Tensor]:
@@ -114,7 +114,8 @@ def _fla(ins):
     gc, gs = (gates[..., i].detach().contiguous() for i in (0, 1))
 
     def fwd():
-        return parallel_nsa(qf, kf, vf, g_cmp=gc, g_slc=gs, block_counts=HP["n_sel"], block_size=HP["sel_block"])
+        return parallel_nsa(qf, kf, vf, g_cmp=gc, g_slc=gs, block_counts=GEOMETRY.n_sel,
+                            block_size=GEOMETRY.sel_block)
 
     return fwd, [qf, kf, vf]
 
@@ -184,40 +185,38 @@ def compare(shape: str, T: int, backward: bool, use_fla: bool, batch: int = 1, g
 def components(shape: str, T: int, batch: int = 1) -> list[dict]:
     """GPU milliseconds of every stage of the NSA forward and backward at one length (calls queued back to back,
     so the host's launch time is hidden as it is inside a training step)."""
+    from ..ops.branches import BLOCKS, MODE_CMP, MODE_WIN
+    from ..ops.dispatch import query_grad, selected_backward, selected_forward, selected_path, span_dkdv, span_forward
     from ..ops.triton.gating import gate_grads
-    from ..ops.triton.query_grad import query_grad
-    from ..ops.triton.range_attention import MODE_CMP, MODE_WIN, range_attention_dkdv, range_attention_fwd
-    from ..ops.triton.selected_attention import (BLOCKS, build_inverse_index, selected_backward, selected_forward,
-                                                 selected_path)
+    from ..ops.triton.inverse_index import build_inverse_index
     from ..ops.triton.selection import select_blocks_fwd
 
     H, G, Dk, Dv = SHAPES[shape]
     q, kc, vc, ks, vs, kw, vw, gates = (t.detach() for t in make_inputs(T, H, G, Dk, Dv, batch=batch))
     scale = Dk**-0.5
-    l, d, lp, n, w = (HP[k] for k in ("block_len", "block_stride", "sel_block", "n_sel", "window"))
-    o_cmp, lse_cmp = range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, w)
-    idx = select_blocks_fwd(q, kc, lse_cmp, scale, l, d, lp, n)
+    geo, lp = GEOMETRY, GEOMETRY.sel_block
+    o_cmp, lse_cmp = span_forward(q, kc, vc, MODE_CMP, scale, geo)
+    idx = select_blocks_fwd(q, kc, lse_cmp, scale, geo)
     inv = build_inverse_index(idx, T, lp)
-    o_win, lse_win = range_attention_fwd(q, kw, vw, MODE_WIN, scale, l, d, w)
-    _, o_sel, lse_sel = selected_forward(q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, lp)
+    o_win, lse_win = span_forward(q, kw, vw, MODE_WIN, scale, geo)
+    _, o_sel, lse_sel = selected_forward(q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, geo)
     do = torch.randn_like(o_cmp)
     lses = (lse_cmp, lse_sel, lse_win)
     _, delta, lse_g = gate_grads(do, o_cmp, o_sel, o_win, gates, *lses)
-    *_, sel_dq = selected_backward(q, ks, vs, idx, inv, do, lse_g[1], delta[1], scale, lp)
+    *_, sel_dq = selected_backward(q, ks, vs, idx, inv, do, lse_g[1], delta[1], scale, geo)
     stages = {
-        "fwd: compressed attention": lambda: range_attention_fwd(q, kc, vc, MODE_CMP, scale, l, d, w),
-        "fwd: scoring + top-n": lambda: select_blocks_fwd(q, kc, lse_cmp, scale, l, d, lp, n),
+        "fwd: compressed attention": lambda: span_forward(q, kc, vc, MODE_CMP, scale, geo),
+        "fwd: scoring + top-n": lambda: select_blocks_fwd(q, kc, lse_cmp, scale, geo),
         "fwd: inverse index": lambda: build_inverse_index(idx, T, lp),
-        "fwd: window attention": lambda: range_attention_fwd(q, kw, vw, MODE_WIN, scale, l, d, w),
+        "fwd: window attention": lambda: span_forward(q, kw, vw, MODE_WIN, scale, geo),
         "fwd: selected attention + gated sum": lambda: selected_forward(
-            q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, lp),
+            q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, geo),
         "bwd: gate grads + deltas": lambda: gate_grads(do, o_cmp, o_sel, o_win, gates, *lses),
         "bwd: selected dk/dv (+ dq parts)": lambda: selected_backward(
-            q, ks, vs, idx, inv, do, lse_g[1], delta[1], scale, lp),
-        "bwd: window dk/dv": lambda: range_attention_dkdv(q, kw, vw, do, lse_g[2], delta[2], MODE_WIN, scale, l, d, w),
-        "bwd: compressed dk/dv": lambda: range_attention_dkdv(q, kc, vc, do, lse_g[0], delta[0], MODE_CMP, scale,
-                                                               l, d, w),
-        "bwd: dq (all branches)": lambda: query_grad(q, do, lse_g, delta, scale, l, d, w, (kc, vc), (kw, vw), sel_dq),
+            q, ks, vs, idx, inv, do, lse_g[1], delta[1], scale, geo),
+        "bwd: window dk/dv": lambda: span_dkdv(q, kw, vw, do, lse_g[2], delta[2], MODE_WIN, scale, geo),
+        "bwd: compressed dk/dv": lambda: span_dkdv(q, kc, vc, do, lse_g[0], delta[0], MODE_CMP, scale, geo),
+        "bwd: dq (all branches)": lambda: query_grad(q, do, lse_g, delta, scale, geo, (kc, vc), (kw, vw), sel_dq),
     }
     if selected_path(T, H // G, lp) != BLOCKS:  # only the block-centric path builds the index
         del stages["fwd: inverse index"]
@@ -227,21 +226,21 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
 
 
 SWEEP = {
-    "range_block_m": [64],
-    "range_block_n": [128],
-    "range_warps": [8],
-    "range_stages": [3],
-    "range_block_m+range_block_n+range_warps": [(128, 128, 8), (64, 32, 4), (64, 64, 4), (64, 128, 4)],
-    "range_block_m+range_stages": [(64, 3)],
-    "hopper_forward": [False],
-    "hopper_block_m+hopper_stages": [(64, 4), (64, 2), (128, 3)],
-    "hopper_backward": [False],  # the Triton dK/dV and dQ entries below matter on sm_90 only with these False
-    "hopper_query_grad": [False],
-    "hopper_selected_backward": [False],
-    "hopper_selected_forward": [False],
-    "hopper_selected_forward_stages": [2, 4],
-    "hopper_dkdv_stages": [2, 4],
-    "hopper_dq_stages": [2, 4],
+    "span_block_m": [64],
+    "span_block_n": [128],
+    "span_warps": [8],
+    "span_stages": [3],
+    "span_block_m+span_block_n+span_warps": [(128, 128, 8), (64, 32, 4), (64, 64, 4), (64, 128, 4)],
+    "span_block_m+span_stages": [(64, 3)],
+    "gluon_forward": [False],
+    "gluon_block_m+gluon_stages": [(64, 4), (64, 2), (128, 3)],
+    "gluon_backward": [False],  # the Triton dK/dV and dQ entries below matter on sm_90 only with these False
+    "gluon_query_grad": [False],
+    "gluon_selected_backward": [False],
+    "gluon_selected_forward": [False],
+    "gluon_selected_forward_stages": [2, 4],
+    "gluon_dkdv_stages": [2, 4],
+    "gluon_dq_stages": [2, 4],
     "dq_block_m+dq_block_n+dq_warps": [(128, 64, 4), (64, 32, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8)],
     "dq_block_n_tiled": [64],
     "cmp_rows_per_split": [4096, 16384, 65536],
@@ -262,19 +261,13 @@ SWEEP = {
     "row_warps": [8],
     "inverse_chunk": [128, 512],
     "inverse_query_ranges": [1, 2, 8],
-    "selected_dq_adds": [False],
     "gate_block_m+gate_warps": [(16, 4), (64, 4), (128, 4), (128, 8)],
     "tiled_max_blocks": [0, 64],
     "tiled_max_blocks_forward": [0],
     "tiled_max_blocks_large_groups": [0, 32],
-    # Large groups past the tiled range: the forward block-centric in Gluon (token_min_heads_forward) or per query.
-    "tiled_max_blocks_large_groups+tiled_max_blocks_forward": [(32, 32)],
-    "tiled_max_blocks_large_groups+tiled_max_blocks_forward+token_min_heads_forward": [(32, 32, 17)],
     "select_block_t": [8, 32],
     "select_warps": [2, 8],
-    "token_min_heads_forward": [17],
     "branch_streams": [False],
-    "window_grads_beside": [False],
 }
 """Values tried for each launch parameter, or for several at once (names joined by '+', value tuples); the
 defaults are measured too."""
@@ -285,7 +278,7 @@ def sweep(shape: str, T: int, batch: int = 1, params: list[str] | None = None) -
     one call at a time (fwd_ms, fwdbwd_ms), queued back to back (gpu_fwdbwd_ms, the GPU's share), as one CUDA-graph
     replay (graph_fwdbwd_ms: the GPU's time with the branches on their side stream at any size), and each stage's
     GPU time (components)."""
-    from ..ops.triton import tuning
+    from ..ops import tuning
 
     H, G, Dk, Dv = SHAPES[shape]
     ins = make_inputs(T, H, G, Dk, Dv, batch=batch)
@@ -340,8 +333,8 @@ def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = Tr
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise UserError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
-    meta = environment() | {"hyperparameters": HP, "dtype": "bfloat16", "batch": batch, "cuda_graphs": graphs,
-                            "shapes": {s: SHAPES[s] for s in shapes}}
+    meta = environment() | {"hyperparameters": dataclasses.asdict(GEOMETRY), "dtype": "bfloat16", "batch": batch,
+                            "cuda_graphs": graphs, "shapes": {s: SHAPES[s] for s in shapes}}
     print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  git {meta['git']}")
     rows, paths = [], ()
     for shape in shapes:

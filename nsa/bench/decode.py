@@ -65,10 +65,8 @@ def _layer_attention_ms(model: Transformer, cache, batch: int, reps: int, cuda: 
     q = torch.randn(batch, attn.n_heads, attn.head_dim, device=device, dtype=layer.k.dtype)
     positions = cache.lengths - 1
     if hasattr(attn, "gate"):
-        nsa = model.cfg.nsa
         gates = torch.rand(batch, attn.n_heads, 3, device=device, dtype=q.dtype)
-        fn = lambda: decode_attention(q, gates, layer, positions, sel_block=nsa.sel_block,  # noqa: E731
-                                      n_sel=nsa.n_sel, window=nsa.window)
+        fn = lambda: decode_attention(q, gates, layer, positions)  # noqa: E731
     else:
         fn = lambda: dense_decode_attention(q, layer, positions)  # noqa: E731
     return _median_ms(graphed(fn, cuda), reps, cuda)

@@ -99,9 +99,6 @@ def decode_attention(
     cache: NSALayerCache,
     positions: torch.Tensor | int,
     *,
-    sel_block: int,
-    n_sel: int,
-    window: int,
     scale: float | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,33 +106,33 @@ def decode_attention(
     reads [B,G]: key/value tokens gathered per sequence and group (compressed + selected + window).
 
     gates [B,H,3] in (cmp, sel, win) order, in [0, 1]. The cache must already hold every token up
-    to and including t and the compressed tokens emitted at t (block_len and block_stride are the
-    cache's: its compressed stream and overlap band were built with them). The chosen blocks are
-    written to cache.selected [B,G,n]. backend: 'auto' (the fused Triton kernel on CUDA, this PyTorch
-    code elsewhere), 'reference' (this code) or 'triton'.
+    to and including t and the compressed tokens emitted at t; the geometry is the cache's (its compressed
+    stream and overlap band were built with it). The chosen blocks are written to cache.selected [B,G,n].
+    backend: 'auto' (the fused Triton kernel on CUDA, this PyTorch code elsewhere), 'reference' (this code) or
+    'triton'.
     """
     b, heads, dk = q.shape
     groups = cache.k.shape[3]
+    geometry = cache.geometry
     scale = dk**-0.5 if scale is None else scale
     if _use_triton(backend, q.device):
         from ..ops.triton.decode import decode_attention_triton
 
         return decode_attention_triton(
             q, gates, cache.k_cmp, cache.v_cmp, cache.n_cmp, cache.keys("sel"), cache.values("sel"),
-            cache.keys("win"), cache.values("win"), _as_positions(positions, b, q.device),
-            block_len=cache.block_len, block_stride=cache.block_stride, sel_block=sel_block, n_sel=n_sel,
-            window=window, scale=scale, selected=cache.selected)
+            cache.keys("win"), cache.values("win"), _as_positions(positions, b, q.device), geometry=geometry,
+            scale=scale, selected=cache.selected)
     dtype = torch.promote_types(torch.promote_types(q.dtype, cache.k.dtype), torch.float32)
     t = _as_positions(positions, b, q.device)
     qg = q.to(dtype).view(b, groups, heads // groups, dk)
 
     p_cmp, o_cmp, cmp_valid = _compressed(qg, cache, scale)
-    num_sel = -(-cache.k.shape[2] // sel_block)
-    chosen = reference.top_n_blocks(_selection_scores(p_cmp, cache, num_sel), sel_block=sel_block, n_sel=n_sel,
-                                    positions=t[:, None, None])
+    num_sel = geometry.num_selection_blocks(cache.k.shape[2])
+    chosen = reference.top_n_blocks(_selection_scores(p_cmp, cache, num_sel), sel_block=geometry.sel_block,
+                                    n_sel=geometry.n_sel, positions=t[:, None, None])
     cache.selected.copy_(chosen)
-    o_sel, sel_valid = _selected(qg, cache, chosen, t, sel_block, scale)
-    o_win, win_valid = _window(qg, cache, t, window, scale)
+    o_sel, sel_valid = _selected(qg, cache, chosen, t, geometry.sel_block, scale)
+    o_win, win_valid = _window(qg, cache, t, geometry.window, scale)
 
     g = gates.to(dtype).view(b, groups, heads // groups, 3, 1)
     o = g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..model.attention import BRANCHES, NSAAttention
-from ..ops.geometry import num_compressed_blocks, num_selection_blocks
+from ..ops.geometry import NSAGeometry
 from .fused import FusedWeights, compress_pair, fuse
 
 
@@ -44,8 +44,8 @@ class NSALayerCache:
     sel_weight: torch.Tensor
     selected: torch.Tensor
     reads: torch.Tensor
-    block_len: int
-    block_stride: int
+    geometry: NSAGeometry
+    """The layer's NSA geometry: the compressed stream and the overlap band were built with it."""
     fused: FusedWeights
 
     def rows(self, start: int, stop: int) -> NSALayerCache:
@@ -70,7 +70,8 @@ class NSALayerCache:
         self.k_cmp[:, :nc] = k_cmp
         self.v_cmp[:, :nc] = v_cmp
         # A shorter (right-padded) prompt has emitted fewer blocks; the ones past its length are stale.
-        emitted = torch.div(lengths - self.block_len, self.block_stride, rounding_mode="floor") + 1
+        geometry = self.geometry
+        emitted = torch.div(lengths - geometry.block_len, geometry.block_stride, rounding_mode="floor") + 1
         self.n_cmp.copy_(emitted.clamp_min(0))
 
     def write(self, p: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
@@ -90,9 +91,10 @@ class NSALayerCache:
         """
         if self.k_cmp.shape[1] == 0:
             return
-        start = (positions + 1 - self.block_len).clamp_min(0)
-        due = (positions + 1 >= self.block_len) & ((positions + 1 - self.block_len) % self.block_stride == 0)
-        idx = start[:, None] + torch.arange(self.block_len, device=positions.device)  # [B,l]
+        block_len, block_stride = self.geometry.block_len, self.geometry.block_stride
+        start = (positions + 1 - block_len).clamp_min(0)
+        due = (positions + 1 >= block_len) & ((positions + 1 - block_len) % block_stride == 0)
+        idx = start[:, None] + torch.arange(block_len, device=positions.device)  # [B,l]
         rows = _rows(positions)
         slot = self.n_cmp.clamp_max(self.k_cmp.shape[1] - 1)
         # The same phi, on the same l RoPE'd tokens, as training; keys and values in one batch.
@@ -141,8 +143,8 @@ class DecodeCache:
 
     def emission_due(self) -> bool:
         """Whether the next token of any sequence completes a compressed block (t + 1 >= l, (t + 1 - l) % d == 0)."""
-        for geometry in {(c.block_len, c.block_stride) for c in self.layers if isinstance(c, NSALayerCache)}:
-            block_len, stride = geometry
+        for geometry in {c.geometry for c in self.layers if isinstance(c, NSALayerCache)}:
+            block_len, stride = geometry.block_len, geometry.block_stride
             if any(t + 1 >= block_len and (t + 1 - block_len) % stride == 0 for t in self.host_lengths):
                 return True
         return False
@@ -152,11 +154,12 @@ class DecodeCache:
         return self.lengths.shape[0]
 
 
-def selection_band(num_cmp: int, num_sel: int, block_len: int, block_stride: int, sel_block: int,
-                   dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def selection_band(num_cmp: int, num_sel: int, geometry: NSAGeometry, dtype: torch.dtype,
+                   device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(index, weight) [Nc,K]: compressed token i overlaps selection block index[i,k] by weight[i,k]
     (= |[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d, geometry.overlap_matrix's entries); unused slots
     point at the sentinel column num_sel with weight 0."""
+    block_len, block_stride, sel_block = geometry.block_len, geometry.block_stride, geometry.sel_block
     span = -(-block_len // sel_block) + 1  # an interval of l tokens touches at most this many blocks
     start = torch.arange(num_cmp, device=device)[:, None] * block_stride
     j = start // sel_block + torch.arange(span, device=device)
@@ -168,20 +171,18 @@ def selection_band(num_cmp: int, num_sel: int, block_len: int, block_stride: int
 
 
 def _nsa_layer_cache(attn: NSAAttention, batch: int, max_len: int, dtype: torch.dtype, device) -> NSALayerCache:
-    nsa = attn.cfg.nsa
+    geometry = attn.geometry
     g, d = attn.n_kv_heads, attn.head_dim
-    num_cmp = num_compressed_blocks(max_len, nsa.block_len, nsa.block_stride)
-    num_sel = num_selection_blocks(max_len, nsa.sel_block)
-    index, weight = selection_band(num_cmp, num_sel, nsa.block_len, nsa.block_stride, nsa.sel_block,
-                                   torch.promote_types(dtype, torch.float32), device)
+    num_cmp = geometry.num_compressed_blocks(max_len)
+    num_sel = geometry.num_selection_blocks(max_len)
+    index, weight = selection_band(num_cmp, num_sel, geometry, torch.promote_types(dtype, torch.float32), device)
     zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     return NSALayerCache(
         k=zeros(attn.n_kv_sets, batch, max_len, g, d), v=zeros(attn.n_kv_sets, batch, max_len, g, d),
         k_cmp=zeros(batch, num_cmp, g, d), v_cmp=zeros(batch, num_cmp, g, d),
         n_cmp=torch.zeros(batch, dtype=torch.long, device=device), sel_index=index, sel_weight=weight,
-        selected=torch.full((batch, g, nsa.n_sel), -1, dtype=torch.long, device=device),
-        reads=torch.zeros(batch, g, dtype=torch.long, device=device),
-        block_len=nsa.block_len, block_stride=nsa.block_stride,
+        selected=torch.full((batch, g, geometry.n_sel), -1, dtype=torch.long, device=device),
+        reads=torch.zeros(batch, g, dtype=torch.long, device=device), geometry=geometry,
         fused=fuse(attn.input_layers, (attn.compress_k, attn.compress_v), attn.gate),
     )
 

@@ -20,12 +20,6 @@ from .cache import DecodeCache, DenseLayerCache, NSALayerCache
 from .fused import FusedWeights, gates_from, input_projections
 
 
-def _hyper(attn: NSAAttention) -> dict:
-    n = attn.cfg.nsa
-    return dict(block_len=n.block_len, block_stride=n.block_stride, sel_block=n.sel_block, n_sel=n.n_sel,
-                window=n.window)
-
-
 def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, lengths) -> torch.Tensor:
     # NSAAttention.forward, keeping the projections and the compressed stream.
     b, t, _ = x.shape
@@ -33,7 +27,7 @@ def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, lengths)
     k_cmp, v_cmp = attn.compress_k(p["k_cmp"]), attn.compress_v(p["v_cmp"])
     cache.fill(p, k_cmp, v_cmp, lengths)
     o = nsa_attention(p["q"], k_cmp, v_cmp, p["k_sel"], p["v_sel"], p["k_win"], p["v_win"],
-                      p["gates"].to(p["q"].dtype), **_hyper(attn), backend=attn.cfg.nsa.backend)
+                      p["gates"].to(p["q"].dtype), geometry=attn.geometry, backend=attn.cfg.nsa.backend)
     return attn.wo(o.reshape(b, t, -1))
 
 
@@ -43,9 +37,7 @@ def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions, 
     cache.write(p, positions)
     if emit:  # skipped (exactly: it would change nothing) when the host knows no block is due
         cache.emit(positions)  # before attending: a block ending at t is visible to t
-    hyper = _hyper(attn)
     o, reads = decode_attention(p["q"][:, 0], p["gates"][:, 0].to(p["q"].dtype), cache, positions,
-                                sel_block=hyper["sel_block"], n_sel=hyper["n_sel"], window=hyper["window"],
                                 backend=attn.cfg.nsa.backend)
     cache.reads.copy_(reads)
     return attn.wo(o.flatten(1))[:, None]
@@ -119,7 +111,7 @@ def prefill(model: nn.Module, tokens: torch.Tensor, cache: DecodeCache,
     return torch.cat(logits)
 
 
-def _step_logits(model: nn.Module, token: torch.Tensor, layers: list, positions: torch.Tensor,
+def step_logits(model: nn.Module, token: torch.Tensor, layers: list, positions: torch.Tensor,
                  emit: bool = True) -> torch.Tensor:
     """The device work of one decode step (no host state), so that it can be compiled as a whole.
 
@@ -137,7 +129,7 @@ def _step_logits(model: nn.Module, token: torch.Tensor, layers: list, positions:
 
 def advance(cache: DecodeCache, run: Callable[[bool], torch.Tensor]) -> torch.Tensor:
     """One decode step: run(emit) does the device work (emit: whether some sequence completes a block, see
-    _step_logits) and returns the logits; then every position moves on, on the device and on the host."""
+    step_logits) and returns the logits; then every position moves on, on the device and on the host."""
     if cache.longest >= cache.max_len:
         raise ValueError(f"the decode cache is full ({cache.max_len} tokens); allocate a larger max_len")
     logits = run(cache.emission_due())
@@ -152,14 +144,14 @@ def decode_step(model: nn.Module, token: torch.Tensor, cache: DecodeCache) -> to
 
     On CUDA, GraphedDecoder (nsa.inference.graphed) runs the same step as one CUDA graph replay.
     """
-    return advance(cache, lambda emit: _step_logits(model, token, cache.layers, cache.lengths, emit))
+    return advance(cache, lambda emit: step_logits(model, token, cache.layers, cache.lengths, emit))
 
 
 def compiled_decode_step(model: nn.Module) -> Callable[[torch.Tensor, DecodeCache], torch.Tensor]:
     """decode_step(model, ., .) with the step's device work under torch.compile: the many small kernels
     of the projections, cache writes, compressed emission and MLPs fuse (the attention kernels stay as
     they are). Same results; the first call compiles."""
-    body = torch.compile(_step_logits, dynamic=False)
+    body = torch.compile(step_logits, dynamic=False)
 
     @torch.no_grad()
     def step(token: torch.Tensor, cache: DecodeCache) -> torch.Tensor:

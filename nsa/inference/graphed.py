@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .cache import DecodeCache, NSALayerCache
-from .decode import _step_logits, advance
+from .decode import advance, step_logits
 
 
 class GraphedDecoder:
@@ -30,7 +30,7 @@ class GraphedDecoder:
 
     def __init__(self, model: nn.Module, cache: DecodeCache, compile: bool = False):
         self.model, self.cache = model, cache
-        self.body: Callable = torch.compile(_step_logits, dynamic=False) if compile else _step_logits
+        self.body: Callable = torch.compile(step_logits, dynamic=False) if compile else step_logits
         # The PyTorch reference backend syncs with the host inside a step, which a graph cannot hold.
         self.use_graphs = cache.lengths.is_cuda and model.cfg.nsa.backend != "reference"
         self.token = torch.zeros_like(cache.lengths)

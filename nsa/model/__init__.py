@@ -1,14 +1,14 @@
 """The NSA language model: configuration, layers and the transformer."""
 
 from .attention import DenseAttention, NSAAttention
-from .config import PRESETS, ModelConfig, NSAConfig, m7c, preset, tiny
+from .config import PRESETS, ModelConfig, NSAParams, m7c, preset, tiny
 from .transformer import Transformer
 
 __all__ = [
     "DenseAttention",
     "ModelConfig",
     "NSAAttention",
-    "NSAConfig",
+    "NSAParams",
     "PRESETS",
     "Transformer",
     "m7c",

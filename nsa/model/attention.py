@@ -55,6 +55,7 @@ class NSAAttention(nn.Module):
         super().__init__()
         nsa = cfg.nsa
         self.cfg = cfg
+        self.geometry = nsa.geometry
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.n_kv_sets = 1 if nsa.shared_kv else len(BRANCHES)
         kv_width = self.n_kv_sets * 2 * cfg.n_kv_heads * cfg.head_dim
@@ -94,32 +95,14 @@ class NSAAttention(nn.Module):
 
     def selected_blocks(self, p: dict[str, torch.Tensor]) -> torch.Tensor:
         """Block indices [B,T,G,n] the selected branch attends to, for project()'s outputs p (statistics, eval)."""
-        nsa = self.cfg.nsa
-        return select_blocks(p["q"], self.compress_k(p["k_cmp"]), block_len=nsa.block_len,
-                             block_stride=nsa.block_stride, sel_block=nsa.sel_block, n_sel=nsa.n_sel,
-                             backend=nsa.backend)
+        return select_blocks(p["q"], self.compress_k(p["k_cmp"]), geometry=self.geometry, backend=self.cfg.nsa.backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         p = self.project(x, cos, sin)
-        nsa = self.cfg.nsa
         k_cmp, v_cmp = compress_pair(self.compress_k, self.compress_v, p["k_cmp"], p["v_cmp"])
-        o = nsa_attention(
-            p["q"],
-            k_cmp,
-            v_cmp,
-            p["k_sel"],
-            p["v_sel"],
-            p["k_win"],
-            p["v_win"],
-            p["gates"].to(p["q"].dtype),
-            block_len=nsa.block_len,
-            block_stride=nsa.block_stride,
-            sel_block=nsa.sel_block,
-            n_sel=nsa.n_sel,
-            window=nsa.window,
-            backend=nsa.backend,
-        )
+        o = nsa_attention(p["q"], k_cmp, v_cmp, p["k_sel"], p["v_sel"], p["k_win"], p["v_win"],
+                          p["gates"].to(p["q"].dtype), geometry=self.geometry, backend=self.cfg.nsa.backend)
         return self.wo(o.reshape(b, t, self.n_heads * self.head_dim))
 
 

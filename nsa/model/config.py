@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import ConfigError
+from ..ops.geometry import FIELDS, NSAGeometry
 
 
 @dataclass
-class NSAConfig:
-    """Native Sparse Attention hyper-parameters (DESIGN.md section 1)."""
+class NSAParams:
+    """Native Sparse Attention hyper-parameters (docs/design.md#hyper-parameters) and the layer's other choices."""
 
     block_len: int = 32
     """Compression block length l: raw tokens summarised by one compressed token."""
@@ -33,6 +35,12 @@ class NSAConfig:
     """Share one key/value projection across the three branches (the paper uses separate ones)."""
     backend: Literal["auto", "reference", "triton"] = "auto"
     """Attention implementation: 'auto' is the Triton kernels on CUDA and the reference elsewhere; 'reference' forces the pure-PyTorch oracle (for debugging); 'triton' forces the kernels."""
+
+    @property
+    def geometry(self) -> NSAGeometry:
+        """The block geometry of these values (ValueError naming a broken rule; ModelConfig.validate says it with
+        the config keys)."""
+        return NSAGeometry(self.block_len, self.block_stride, self.sel_block, self.n_sel, self.window)
 
 
 @dataclass
@@ -67,7 +75,7 @@ class ModelConfig:
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
-    nsa: NSAConfig = field(default_factory=lambda: NSAConfig(
+    nsa: NSAParams = field(default_factory=lambda: NSAParams(
         block_len=16, block_stride=8, sel_block=32, n_sel=4, window=64, phi_hidden=64, gate_hidden=32
     ))
     """NSA hyper-parameters (used when attention='nsa')."""
@@ -94,19 +102,15 @@ class ModelConfig:
             _validate_nsa(self.nsa)
 
 
-def _validate_nsa(c: NSAConfig) -> None:
-    for key in ("block_len", "block_stride", "sel_block", "window", "phi_hidden"):
-        if getattr(c, key) < 1:
-            raise ConfigError(f"model.nsa.{key} must be >= 1, got {getattr(c, key)}")
+def _validate_nsa(c: NSAParams) -> None:
+    try:
+        c.geometry
+    except ValueError as e:  # the geometry's own rules, its field names said as config keys
+        raise ConfigError(re.sub(rf"\b({'|'.join(FIELDS)})\b", r"model.nsa.\1", str(e))) from None
+    if c.phi_hidden < 1:
+        raise ConfigError(f"model.nsa.phi_hidden must be >= 1, got {c.phi_hidden}")
     if c.gate_hidden < 0:
         raise ConfigError(f"model.nsa.gate_hidden must be >= 0 (0: a linear gate), got {c.gate_hidden}")
-    if c.block_len % c.block_stride or c.sel_block % c.block_stride:
-        raise ConfigError(
-            f"model.nsa.block_stride ({c.block_stride}) must divide model.nsa.block_len ({c.block_len}) "
-            f"and model.nsa.sel_block ({c.sel_block}); e.g. block_stride=16, block_len=32, sel_block=64"
-        )
-    if c.n_sel < 3:
-        raise ConfigError(f"model.nsa.n_sel must be >= 3 to hold the three forced blocks, got {c.n_sel}")
 
 
 def tiny() -> ModelConfig:
@@ -127,7 +131,7 @@ def m7c() -> ModelConfig:
         n_kv_heads=2,
         head_dim=64,
         mlp_hidden=2048,
-        nsa=NSAConfig(),
+        nsa=NSAParams(),
     )
 
 

@@ -1,8 +1,11 @@
-"""The public NSA ops: validate arguments, then run the chosen backend.
+"""The public NSA ops: build the geometry, check the arguments, then run the chosen backend.
 
 `backend="auto"` picks the fastest correct implementation for the inputs' device:
 the Triton kernels on CUDA, the pure-PyTorch reference elsewhere. `backend="reference"`
 forces the oracle (for debugging a fast path); `backend="triton"` forces the kernels.
+
+The hyper-parameters come as their five keywords (block_len, block_stride, sel_block, n_sel, window) or, instead,
+as one `geometry=NSAGeometry(...)`, built and checked once by the caller (the model builds its own).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 
 from ..errors import ConfigError
 from . import reference
+from .geometry import NSAGeometry, geometry_from
 from .validation import check_nsa_inputs, check_select_inputs
 
 BACKENDS = ("auto", "reference", "triton")
@@ -45,51 +49,54 @@ def nsa_attention(
     v_win: torch.Tensor,
     gates: torch.Tensor,
     *,
-    block_len: int,
-    block_stride: int,
-    sel_block: int,
-    n_sel: int,
-    window: int,
+    block_len: int | None = None,
+    block_stride: int | None = None,
+    sel_block: int | None = None,
+    n_sel: int | None = None,
+    window: int | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    geometry: NSAGeometry | None = None,
 ) -> torch.Tensor:
-    """Native Sparse Attention output [B,T,H,Dv] (DESIGN.md section 1).
+    """Native Sparse Attention output [B,T,H,Dv] (docs/design.md#public-api).
 
     q [B,T,H,Dk]; k_cmp/v_cmp [B,Nc,G,D] (already compressed); k_sel, v_sel, k_win,
     v_win [B,T,G,D]; gates [B,T,H,3] in (cmp, sel, win) order, already in [0, 1] (the CUDA backward folds
     each gate into its branch's log-sum-exp as ln g, so a gate <= 0 passes its branch no gradient).
-    Differentiable in every tensor argument.
+    The geometry is the five keywords or `geometry` (one form, not both). Differentiable in every tensor argument.
     """
-    check_nsa_inputs(
-        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-        block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window,
-    )
-    hyper = dict(block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window)
+    geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
+                             n_sel=n_sel, window=window)
+    check_nsa_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry)
     if resolve_backend(backend, q.device, q.shape[1]) == "triton":
-        from .triton.attention import nsa_attention_triton
+        from .custom_ops import nsa_attention_kernels
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return nsa_attention_triton(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper, scale=scale)
-    return reference.nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **hyper, scale=scale)
+        return nsa_attention_kernels(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, scale)
+    return reference.nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry=geometry,
+                                   scale=scale)
 
 
 def select_blocks(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
     *,
-    block_len: int,
-    block_stride: int,
-    sel_block: int,
-    n_sel: int,
+    block_len: int | None = None,
+    block_stride: int | None = None,
+    sel_block: int | None = None,
+    n_sel: int | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    geometry: NSAGeometry | None = None,
 ) -> torch.Tensor:
-    """Selected block indices [B,T,G,n] (int64, ascending, unused slots -1)."""
-    check_select_inputs(q, k_cmp, block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel)
-    hyper = dict(block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel)
+    """Selected block indices [B,T,G,n] (int64, ascending, unused slots -1); the geometry as four keywords or
+    `geometry` (its window unused)."""
+    geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
+                             n_sel=n_sel)
+    check_select_inputs(q, k_cmp, geometry)
     if resolve_backend(backend, q.device, q.shape[1]) == "triton":
-        from .triton.attention import select_blocks_triton
+        from .custom_ops import select_blocks_kernels
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return select_blocks_triton(q, k_cmp, **hyper, scale=scale)
-    return reference.select_blocks(q, k_cmp, **hyper, scale=scale)
+        return select_blocks_kernels(q, k_cmp, geometry, scale)
+    return reference.select_blocks(q, k_cmp, geometry=geometry, scale=scale)

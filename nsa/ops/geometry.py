@@ -1,12 +1,90 @@
-"""Block geometry shared by every NSA backend (DESIGN.md section 1).
+"""NSA's block geometry: the five hyper-parameters, their rules, and the formulas every backend shares.
 
-Compressed block i covers tokens [i*d, i*d + l); selection block j covers
-[j*l', (j+1)*l'). These helpers are the single source of those formulas.
+Compressed block i covers tokens [i*d, i*d + l); selection block j covers [j*l', (j+1)*l')
+(docs/design.md#hyper-parameters, docs/design.md#block-geometry). `NSAGeometry` holds (l, d, l', n, w)
+checked once, when it is built; the functions below are the single source of the formulas.
 """
 
 from __future__ import annotations
 
+import operator
+from dataclasses import astuple, dataclass, fields
+
 import torch
+
+FIELDS = ("block_len", "block_stride", "sel_block", "n_sel", "window")
+"""NSAGeometry's fields, in order: the keyword names of the public ops."""
+
+
+@dataclass(frozen=True)
+class NSAGeometry:
+    """The NSA hyper-parameters that fix which keys each query sees. Building one checks the rules of
+    docs/design.md#hyper-parameters and raises ValueError naming the broken one."""
+
+    block_len: int
+    """Compression block length l: raw tokens summarised by one compressed token."""
+    block_stride: int
+    """Stride d between compressed blocks; divides block_len and sel_block."""
+    sel_block: int
+    """Selection block length l': the unit the selected branch attends to."""
+    n_sel: int
+    """Selected blocks per query n, the three forced ones (block 0, the current and the previous) included."""
+    window: int
+    """Sliding-window length w of the window branch."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            try:
+                number = operator.index(value)
+            except TypeError:
+                raise ValueError(f"{f.name} must be an integer, got {value!r}") from None
+            object.__setattr__(self, f.name, number)  # numpy or torch integers become plain ints
+            if number < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {number}")
+        if self.block_len % self.block_stride or self.sel_block % self.block_stride:
+            raise ValueError(
+                f"block_stride ({self.block_stride}) must divide block_len ({self.block_len}) and sel_block "
+                f"({self.sel_block}); e.g. block_stride=16, block_len=32, sel_block=64"
+            )
+        if self.n_sel < 3:
+            raise ValueError(f"n_sel must be >= 3 to hold the three forced blocks, got {self.n_sel}")
+
+    def as_tuple(self) -> tuple[int, int, int, int, int]:
+        """(block_len, block_stride, sel_block, n_sel, window): the form custom ops take (no dataclass arguments)."""
+        return astuple(self)
+
+    def num_compressed_blocks(self, seq_len: int) -> int:
+        """Nc for a sequence of seq_len tokens."""
+        return num_compressed_blocks(seq_len, self.block_len, self.block_stride)
+
+    def num_selection_blocks(self, seq_len: int) -> int:
+        """Ns for a sequence of seq_len tokens."""
+        return num_selection_blocks(seq_len, self.sel_block)
+
+    def compressed_block_ends(self, num_blocks: int, device=None) -> torch.Tensor:
+        """Last token position covered by each of the first num_blocks compressed blocks."""
+        return compressed_block_ends(num_blocks, self.block_len, self.block_stride, device)
+
+    def overlap_matrix(self, num_cmp: int, num_sel: int, dtype=torch.float32, device=None) -> torch.Tensor:
+        """The Eq. 9 weights [Nc, Ns] (overlap_matrix)."""
+        return overlap_matrix(num_cmp, num_sel, self.block_len, self.block_stride, self.sel_block, dtype, device)
+
+
+def geometry_from(geometry: NSAGeometry | None, **values: int | None) -> NSAGeometry:
+    """`geometry`, or the one the keyword values (the five of FIELDS, or a selection's four without window) build:
+    exactly one of the two forms. The selection never reads the window, so a geometry built from four values gets
+    window 1."""
+    given = {name: value for name, value in values.items() if value is not None}
+    if geometry is not None:
+        if given:
+            raise ValueError(f"pass either geometry= or {', '.join(values)}, not both (got both geometry and "
+                             f"{', '.join(given)})")
+        return geometry
+    missing = [name for name in values if name not in given]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}: pass all of {', '.join(values)}, or geometry=NSAGeometry(...)")
+    return NSAGeometry(**({"window": 1} | given))
 
 
 def num_compressed_blocks(seq_len: int, block_len: int, block_stride: int) -> int:
@@ -19,23 +97,6 @@ def num_compressed_blocks(seq_len: int, block_len: int, block_stride: int) -> in
 def num_selection_blocks(seq_len: int, sel_block: int) -> int:
     """Number of selection blocks that hold at least one of the T tokens."""
     return -(-seq_len // sel_block)
-
-
-def check_hyperparameters(
-    block_len: int, block_stride: int, sel_block: int, n_sel: int, window: int | None = None
-) -> None:
-    """Raise ValueError naming the broken rule of DESIGN.md section 1."""
-    for name, value in (("block_len", block_len), ("block_stride", block_stride), ("sel_block", sel_block)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if block_len % block_stride or sel_block % block_stride:
-        raise ValueError(
-            f"block_stride ({block_stride}) must divide block_len ({block_len}) and sel_block ({sel_block})"
-        )
-    if n_sel < 3:
-        raise ValueError(f"n_sel must be >= 3 to leave room for the forced blocks, got {n_sel}")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
 
 
 def compressed_block_ends(num_blocks: int, block_len: int, block_stride: int, device=None) -> torch.Tensor:

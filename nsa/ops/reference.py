@@ -1,6 +1,6 @@
 """Pure-PyTorch NSA: the oracle every fast backend is checked against.
 
-A direct transcription of DESIGN.md section 1, vectorised over batch, heads and
+A direct transcription of the contract (docs/design.md), vectorised over batch, heads and
 blocks. Queries are processed in chunks so that no [T, T] score matrix exists
 at once; under autograd each chunk is recomputed in backward (activation
 checkpointing) so memory stays O(T * chunk) per head instead of O(T^2).
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .geometry import compressed_block_ends, num_selection_blocks, overlap_matrix
+from .geometry import NSAGeometry, compressed_block_ends, geometry_from, num_selection_blocks, overlap_matrix
 from .validation import check_nsa_inputs
 
 QUERY_CHUNK = 256
@@ -191,17 +191,20 @@ def select_blocks(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
     *,
-    block_len: int,
-    block_stride: int,
-    sel_block: int,
-    n_sel: int,
+    block_len: int | None = None,
+    block_stride: int | None = None,
+    sel_block: int | None = None,
+    n_sel: int | None = None,
     scale: float | None = None,
+    geometry: NSAGeometry | None = None,
 ) -> torch.Tensor:
-    """Selected block indices [B,T,G,n] (DESIGN.md section 1, Top-n)."""
-    scores = selection_scores(
-        q, k_cmp, block_len=block_len, block_stride=block_stride, sel_block=sel_block, scale=scale
-    )
-    return top_n_blocks(scores, sel_block=sel_block, n_sel=n_sel)
+    """Selected block indices [B,T,G,n] (docs/design.md#top-n-selection); the geometry as four keywords or
+    `geometry` (its window unused)."""
+    geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
+                             n_sel=n_sel)
+    scores = selection_scores(q, k_cmp, block_len=geometry.block_len, block_stride=geometry.block_stride,
+                              sel_block=geometry.sel_block, scale=scale)
+    return top_n_blocks(scores, sel_block=geometry.sel_block, n_sel=geometry.n_sel)
 
 
 # ---------------------------------------------------------------- selected branch
@@ -282,23 +285,24 @@ def nsa_attention(
     v_win: torch.Tensor,
     gates: torch.Tensor,
     *,
-    block_len: int,
-    block_stride: int,
-    sel_block: int,
-    n_sel: int,
-    window: int,
+    block_len: int | None = None,
+    block_stride: int | None = None,
+    sel_block: int | None = None,
+    n_sel: int | None = None,
+    window: int | None = None,
     scale: float | None = None,
     indices: torch.Tensor | None = None,
+    geometry: NSAGeometry | None = None,
 ) -> torch.Tensor:
-    """o [B,T,H,Dv] = sum over branches c of gates[..., c] * o_c (DESIGN.md section 1).
+    """o [B,T,H,Dv] = sum over branches c of gates[..., c] * o_c (docs/design.md#gates-and-output).
 
-    `indices` replaces the selection (e.g. to check a fast path's output on its own choice
-    of near-tied blocks); by default the blocks are selected as the contract says.
+    The geometry comes as the five keywords or as `geometry`. `indices` replaces the selection (e.g. to check a
+    fast path's output on its own choice of near-tied blocks); by default the blocks are selected as the contract
+    says.
     """
-    check_nsa_inputs(
-        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates,
-        block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, window=window,
-    )
+    geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
+                             n_sel=n_sel, window=window)
+    check_nsa_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry)
     out_dtype = q.dtype
     if q.shape[1] == 0:  # empty sequence: an empty output, still connected to every input
         tie = sum(t.sum() for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))
@@ -308,11 +312,10 @@ def nsa_attention(
         t.to(dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
     )
     if indices is None:
-        indices = select_blocks(
-            q, k_cmp, block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel, scale=scale
-        )
-    o_cmp = compressed_attention(q, k_cmp, v_cmp, block_len=block_len, block_stride=block_stride, scale=scale)
-    o_sel = selected_attention(q, k_sel, v_sel, indices, sel_block=sel_block, scale=scale)
-    o_win = window_attention(q, k_win, v_win, window=window, scale=scale)
+        indices = select_blocks(q, k_cmp, geometry=geometry, scale=scale)
+    o_cmp = compressed_attention(q, k_cmp, v_cmp, block_len=geometry.block_len, block_stride=geometry.block_stride,
+                                 scale=scale)
+    o_sel = selected_attention(q, k_sel, v_sel, indices, sel_block=geometry.sel_block, scale=scale)
+    o_win = window_attention(q, k_win, v_win, window=geometry.window, scale=scale)
     g = gates.unsqueeze(-1)
     return (g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win).to(out_dtype)

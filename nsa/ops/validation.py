@@ -1,28 +1,30 @@
-"""Argument checks for the public NSA ops: one ValueError naming the tensor and the rule."""
+"""Argument checks for the public NSA ops: one ValueError naming the tensor and the rule.
+
+The hyper-parameters' rules are NSAGeometry's, checked when the geometry is built; these check the tensors
+against it.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .geometry import check_hyperparameters, num_compressed_blocks
+from .geometry import NSAGeometry
 
 
 def _shape(t: torch.Tensor) -> str:
     return "[" + ",".join(str(s) for s in t.shape) + "]"
 
 
-def check_select_inputs(
-    q: torch.Tensor, k_cmp: torch.Tensor, *, block_len: int, block_stride: int, sel_block: int, n_sel: int
-) -> None:
-    check_hyperparameters(block_len, block_stride, sel_block, n_sel)
+def check_select_inputs(q: torch.Tensor, k_cmp: torch.Tensor, geometry: NSAGeometry) -> None:
+    """q [B,T,H,Dk] and k_cmp [B,Nc,G,Dk] with Nc compressed blocks of T tokens and G dividing H."""
     if q.dim() != 4 or k_cmp.dim() != 4:
         raise ValueError(f"q must be [B,T,H,Dk] and k_cmp [B,Nc,G,Dk]; got q {_shape(q)}, k_cmp {_shape(k_cmp)}")
     batch, seq_len, heads, dk = q.shape
-    expected_nc = num_compressed_blocks(seq_len, block_len, block_stride)
+    expected_nc = geometry.num_compressed_blocks(seq_len)
     if k_cmp.shape[0] != batch or k_cmp.shape[1] != expected_nc or k_cmp.shape[3] != dk:
         raise ValueError(
-            f"k_cmp must be [B={batch}, Nc={expected_nc}, G, Dk={dk}] for T={seq_len}, l={block_len}, "
-            f"d={block_stride}; got {_shape(k_cmp)}"
+            f"k_cmp must be [B={batch}, Nc={expected_nc}, G, Dk={dk}] for T={seq_len}, l={geometry.block_len}, "
+            f"d={geometry.block_stride}; got {_shape(k_cmp)}"
         )
     groups = k_cmp.shape[2]
     if groups < 1 or heads % groups:
@@ -38,16 +40,10 @@ def check_nsa_inputs(
     k_win: torch.Tensor,
     v_win: torch.Tensor,
     gates: torch.Tensor,
-    *,
-    block_len: int,
-    block_stride: int,
-    sel_block: int,
-    n_sel: int,
-    window: int,
+    geometry: NSAGeometry,
 ) -> None:
-    check_select_inputs(q, k_cmp, block_len=block_len, block_stride=block_stride, sel_block=sel_block, n_sel=n_sel)
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    """Every tensor of nsa_attention shaped to match q and k_cmp, all on one device."""
+    check_select_inputs(q, k_cmp, geometry)
     batch, seq_len, heads, dk = q.shape
     groups, num_cmp = k_cmp.shape[2], k_cmp.shape[1]
     dv = v_sel.shape[-1] if v_sel.dim() == 4 else -1

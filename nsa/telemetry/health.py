@@ -117,7 +117,7 @@ def selection_sums(idx: torch.Tensor, sel_block: int, seq_len: int) -> dict[str,
 def _layer_sums(attn: NSAAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, torch.Tensor]:
     p = attn.project(x, cos, sin)
     idx = attn.selected_blocks(p)
-    return {**_gate_sums(p["gates"]), **selection_sums(idx, attn.cfg.nsa.sel_block, x.shape[1])}
+    return {**_gate_sums(p["gates"]), **selection_sums(idx, attn.geometry.sel_block, x.shape[1])}
 
 
 @torch.no_grad()

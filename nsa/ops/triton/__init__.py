@@ -1,4 +1,9 @@
-"""Triton kernels for NSA (one module per kernel family) and their composition into custom ops."""
+"""NSA's Triton kernels, one module per kernel family (forward and backward together), with their launchers.
+
+nsa.ops.dispatch decides which of them (or of the Gluon kernels of nsa.ops.gluon) serves each stage, and
+nsa.ops.custom_ops composes the stages into PyTorch custom ops. This package's own import needs no triton:
+`installed` and `available` answer where triton is absent.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import torch
 
 
 def installed() -> bool:
+    """Whether the triton package can be imported."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -22,6 +28,6 @@ def interpreting() -> bool:
     """Whether Triton kernels run in its CPU interpreter (decided by Triton when it loads our kernels)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from .range_attention import _range_fwd_kernel
+    from .common import load_tile
 
-    return isinstance(_range_fwd_kernel, InterpretedFunction)
+    return isinstance(load_tile, InterpretedFunction)

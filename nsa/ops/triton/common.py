@@ -1,4 +1,16 @@
-"""Small @triton.jit building blocks shared by the NSA kernels (inlined by Triton)."""
+"""Building blocks shared by the NSA Triton kernels: @triton.jit helpers (inlined by Triton) and launch helpers.
+
+- tiles: loads and stores of row tiles, the online softmax, a branch's gradient rows;
+- span keys: which keys a program's (token, head) rows see in the span kernels (span_attention.py) and the dQ kernel
+  of every branch (query_grad.py), and the loops' masked edges and unmasked interior;
+- Eq. 9 and ranking: block overlaps and the running top-K merge of the selection and decode kernels;
+- search: a binary search over a sorted array (the inverse index's items);
+- launch: tile sizes, widths, the GPU's SM count and PyTorch's deterministic mode.
+
+Grouped-query packing: a program's rows are consecutive (token, head) pairs of one key/value group, row r <->
+token r // h, head r % h. Any group size h fills the matrix units without padding, and every loaded key/value tile
+serves all h heads.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tuning import TUNING
+
 LOG2E = 1.4426950408889634
 """Kernels work in base 2 (exp2/log2); scores are pre-multiplied by scale * LOG2E."""
+
+
+# ---------------------------------------------------------------- tiles
 
 
 @triton.jit
@@ -21,6 +38,7 @@ def load_tile(PTR, row_off, d, row_ok, D: tl.constexpr):
 
 @triton.jit
 def store_tile(PTR, row_off, d, row_ok, value, D: tl.constexpr):
+    """Store value [rows, len(d)] where load_tile would read it, in PTR's type."""
     tl.store(PTR + row_off[:, None] + d[None, :], value.to(PTR.dtype.element_ty),
              mask=row_ok[:, None] & (d[None, :] < D))
 
@@ -62,6 +80,168 @@ def softmax_finish(m_i, l_i, acc):
     return acc / l_safe[:, None], lse
 
 
+# ---------------------------------------------------------------- span keys
+
+
+@triton.jit
+def key_range(t, MODE: tl.constexpr, block_len, block_stride, window):
+    """First and last key index visible to query token(s) t (last < first means none), for branches.MODE_*."""
+    if MODE == 0:
+        lo = t * 0
+        hi = tl.where(t >= block_len - 1, tl.maximum(t - block_len + 1, 0) // block_stride, -1)
+    elif MODE == 1:
+        lo = tl.maximum(t - window + 1, 0)
+        hi = t
+    else:
+        lo = t * 0
+        hi = t
+    return lo, hi
+
+
+@triton.jit
+def chosen_blocks(BITS, off, row_ok):
+    """[rows] bit j set where the row's query chose selection block j (MODE_SEL has at most 64 blocks)."""
+    return tl.load(BITS + off, mask=row_ok, other=0)
+
+
+@triton.jit
+def picked(bits, kidx, sel_block):
+    """[rows, keys]: whether each row chose each key's block (key steps that span blocks; see picked_rows)."""
+    return ((bits[:, None] >> (kidx // sel_block)[None, :]) & 1) != 0
+
+
+@triton.jit
+def picked_rows(bits, first_key, sel_block):
+    """[rows]: whether each row chose the block holding first_key (ONE_BLOCK: a whole key step lies in one block).
+
+    A choice that is one bit per row is applied per row, not per element: as a +inf log-sum-exp or softmax
+    maximum (p = 0), instead of a select over the tile."""
+    return ((bits >> (first_key // sel_block)) & 1) != 0
+
+
+@triton.jit
+def program_rows(pid_m, pid_bg, T, G, h, BLOCK_M: tl.constexpr):
+    """(b, g, row ok, token, head) of a program's (token, head) rows; row r <-> token r // h, head r % h."""
+    b = (pid_bg // G).to(tl.int64)
+    g = pid_bg % G
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return b, g, rows < T * h, (rows // h).to(tl.int64), (g * h + rows % h).to(tl.int64)
+
+
+@triton.jit
+def interior(first, last, lo, hi, step, ALIGN_HI: tl.constexpr):
+    """Split [first, last) (first a multiple of step) at a (>= lo) and e (<= hi + 1) so that the steps of
+    [a, e) lie inside [lo, hi]: [first, a) and [e, last) then need masks, [a, e) does not. Three loops without
+    branches inside, so Triton can pipeline their loads."""
+    a = tl.minimum(tl.maximum(((lo + step - 1) // step) * step, first), last)
+    e = tl.maximum(tl.minimum(((hi + 1) // step) * step, ((last // step) * step) if ALIGN_HI else last), a)
+    return a, e
+
+
+@triton.jit
+def key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK: tl.constexpr, DV: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """Key indices and the K, V tiles of the key step at `start` (keys outside 0..NK-1 read 0)."""
+    kidx = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+    k_ok = (kidx >= 0) & (kidx < NK)
+    return kidx, load_tile(K, k_base + kidx * skt, dk, k_ok, DK), load_tile(V, v_base + kidx * svt, dv, k_ok, DV)
+
+
+@triton.jit
+def visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """[rows, keys]: each row's visible range (lo, hi int32), and for MODE_SEL its choices (unless ONE_BLOCK).
+
+    The compressed range starts at key 0, so one compare (rows past the end get an empty range). The window's
+    two bounds stay two compares: as one unsigned compare of hi - key they need more registers (the dQ kernel
+    then fits fewer programs per SM and the tiled selected forward spills)."""
+    k32 = kidx.to(tl.int32)  # 32-bit compares: key indices stay below T
+    if MODE == 0:
+        seen = k32[None, :] <= tl.where(row_ok, hi, -1)[:, None]
+    else:
+        seen = (k32[None, :] >= lo[:, None]) & (k32[None, :] <= hi[:, None]) & row_ok[:, None]
+    if MODE == 2 and not ONE_BLOCK:  # ONE_BLOCK: the callers apply the choice per row
+        seen = seen & picked(chosen, kidx, sel_block)
+    return seen
+
+
+@triton.jit
+def key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constexpr, block_len, block_stride, window,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For a tile of query rows: each row's key range, the tile's key steps [k_start, k_end), the rows' choices
+    (MODE_SEL), and the interior [a, e) of keys every row sees (MODE_SEL masks it by the choices alone)."""
+    lo, hi = key_range(t.to(tl.int32), MODE, block_len, block_stride, window)
+    t_first = (pid_m * BLOCK_M) // h
+    t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
+    # Keys any row sees: from the first token's first to the last token's last (the start aligned to BLOCK_N).
+    span_lo, full_hi = key_range(t_first, MODE, block_len, block_stride, window)
+    full_lo, span_hi = key_range(t_last, MODE, block_len, block_stride, window)
+    k_start = (span_lo // BLOCK_N) * BLOCK_N
+    k_end = span_hi + 1
+    if MODE == 2:
+        chosen = chosen_blocks(IDX, b * sib + t * sit + g * sig, row_ok)
+    else:
+        chosen = row_ok.to(tl.int64)
+    a, e = interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
+    return lo, hi, k_start, k_end, chosen, a, e
+
+
+# ---------------------------------------------------------------- Eq. 9 and ranking
+
+
+@triton.jit
+def overlap(tok_start, j, block_len, sel_block, block_stride):
+    """|[tok_start, tok_start + l) ∩ [j*l', (j+1)*l')| / d for broadcastable index tensors."""
+    lo = tl.maximum(tok_start, j * sel_block)
+    hi = tl.minimum(tok_start + block_len, (j + 1) * sel_block)
+    return tl.maximum(hi - lo, 0).to(tl.float32) / block_stride
+
+
+@triton.jit
+def merge_top(best, key):
+    """The K largest of best (sorted descending) and the chunk's K keys, sorted descending."""
+    # Elementwise max of a descending and an ascending list is a bitonic sequence holding the K largest of
+    # both (the first half-cleaner of a bitonic merge); one bitonic merge sorts it. Sorting only the new keys
+    # and merging costs less than a top-K over both lists.
+    return tl.bitonic_merge(tl.maximum(best, tl.sort(key)), descending=True)
+
+
+# ---------------------------------------------------------------- search
+
+
+@triton.jit
+def lower_bound(SORTED, size, key, STEPS: tl.constexpr):
+    """First position in SORTED[0:size] holding a value >= key (size if none), for each key; STEPS >= the bit
+    length of size."""
+    lo = tl.zeros_like(key)
+    hi = lo + size
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = lo + (hi - lo) // 2
+        v = tl.load(SORTED + mid, mask=active, other=0)
+        lo = tl.where(active & (v < key), mid + 1, lo)
+        hi = tl.where(active & (v >= key), mid, hi)
+    return lo
+
+
+# ---------------------------------------------------------------- launch
+
+
+def tile_sizes(q: torch.Tensor, dk: int, dv: int, kernel: str = "fwd") -> dict:
+    """Tile sizes of the span forward ('fwd'), dQ ('dq') or span dK/dV ('dkdv') kernel (query rows x key step;
+    dK/dV: row step x keys). Under the CPU interpreter the smallest: there the cost is per program and operation."""
+    if q.device.type != "cuda":
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
+    wide = max(dk, dv) > 64
+    if kernel == "dkdv":
+        return dict(BLOCK_M=TUNING.dkdv_block_m_wide if wide else TUNING.dkdv_block_m, BLOCK_N=TUNING.dkdv_block_n,
+                    num_warps=TUNING.dkdv_warps, num_stages=TUNING.dkdv_stages)
+    if kernel == "dq" and not wide:
+        return dict(BLOCK_M=TUNING.dq_block_m, BLOCK_N=TUNING.dq_block_n, num_warps=TUNING.dq_warps,
+                    num_stages=TUNING.span_stages)
+    return dict(BLOCK_M=TUNING.span_block_m_wide if wide else TUNING.span_block_m, BLOCK_N=TUNING.span_block_n,
+                num_warps=TUNING.span_warps, num_stages=TUNING.span_stages)
+
+
 def dot_width(n: int) -> int:
     """The power-of-two tile width that holds n columns (at least 16, tl.dot's least)."""
     return max(16, triton.next_power_of_2(n))
@@ -85,11 +265,10 @@ def deterministic() -> bool:
 
 
 @contextlib.contextmanager
-def unfilled() -> Iterator[None]:
+def skip_deterministic_fill() -> Iterator[None]:
     """Buffers allocated inside are not filled first. PyTorch's deterministic mode fills every torch.empty with NaN
     (torch.utils.deterministic.fill_uninitialized_memory) so that a read of memory nobody wrote gives the same bits
-    each run; the NSA kernels write every element they later use, so the fill is pure cost (H100, M7C, deterministic
-    training at 32k x 2: 268,644 tokens/s with it, 284,162 without)."""
+    each run; the NSA kernels write every element they later use, so for their buffers the fill is pure cost."""
     saved = torch.utils.deterministic.fill_uninitialized_memory
     torch.utils.deterministic.fill_uninitialized_memory = False
     try:

@@ -6,8 +6,7 @@ phi maps each block i of l tokens, x[i*d : i*d + l], to one compressed token:
 
 W1_j being the D columns of fc1 that read the block's j-th token. PyTorch computes this on unfolded blocks, a
 copy that doubles the keys (stride d = l/2), then adds pos to it, pools it and differentiates through it with
-further passes of the same size; those elementwise kernels cost ~2 ms of a 170 ms M7C training step at 2k x 32
-(benchmarks/RESULTS.md, twenty-sixth session). Here each kernel reads the tokens where they lie:
+further passes of the same size. Here each kernel reads the tokens where they lie:
 
 - forward: one program per tile of blocks accumulates h over the l token positions (a tensor-core product per
   position), the mean beside it, then applies silu and fc2; it keeps h (float32) for the backward;
@@ -18,8 +17,8 @@ further passes of the same size; those elementwise kernels cost ~2 ms of a 170 m
 
 The weight gradients' partial sums are added by float32 atomics, or in deterministic mode summed in a fixed
 order. One launch serves the keys' and the values' phi together (a grid axis picks the set): alone, each
-kernel's grid fills an H100 about once at M7C 2k x 32. Layouts: x [B,T,G,D] with unit last stride; out, h, dh
-[S,B,Nc,G,*] contiguous, S the number of sets (1 or 2).
+kernel's grid is too small to fill a large GPU at training shapes. Layouts: x [B,T,G,D] with unit last stride;
+out, h, dh [S,B,Nc,G,*] contiguous, S the number of sets (1 or 2).
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..tuning import TUNING
 from .common import deterministic, dot_width, num_sms
-from .tuning import TUNING
 
 
 def phi_mlp_supports(block_len: int, block_stride: int) -> bool:
@@ -230,8 +229,7 @@ def phi_mlp_forward(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Te
 
     The weights may be wider than x (float32 parameters under autocast): the kernels round pos and w2 as they
     load them (once a program), w1 is rounded here and again in the backward (its inner loops would pay for
-    wide loads: the forward and token-gradient kernels ran 1.5-1.9x slower, H100, M7C 2k x 32). Their gradients
-    come back in their own types, with no casts either way."""
+    wide loads). Their gradients come back in their own types, with no casts either way."""
     B, T, G, D = x0.shape
     H = w1_0.shape[0]
     n_blocks = _n_blocks(T, block_len, block_stride)

@@ -12,18 +12,18 @@ group) would leave the GPU nearly idle at batch 1. The work is split instead, in
      rescales every chunk's contributions to exp(s - lse), sums the heads, and keeps a running
      top-n with the forced blocks (the same int64 ranking keys as the training selection).
      With more than one group of CT chunks (contexts past CT*K*l' tokens), the ranking is split
-     in two (measured on an H100 at 64k: 1.44x faster layer attention at batch 1, 1.25x at batch 16): B1, one
-     program per (group of CT chunks, sequence, group), computes the lse from the chunks' (max, sum) alone,
+     in two, so that no program walks every chunk in series: B1, one program per (group of CT chunks, sequence,
+     group), computes the lse from the chunks' (max, sum) alone,
      keeps its chunks' own top K and merges their compressed partials into one; B2 merges the groups'
      compressed partials into the output and their top-K lists. The global top n is among the groups'
-     top K, so the choice is the same, and no program walks every chunk in series;
+     top K, so the choice is the same;
   C. one program per (chosen block or window tile, sequence, group): a partial softmax over
      those raw tokens (only tokens <= t);
   D. one program per (sequence, group, 16 output columns): merges the selected and window partials
      and forms the gated sum; it also counts the key/value tokens read.
 Only the compressed stream, the chosen blocks and the window are loaded: Nc(t) + n*l' + w tokens.
 Partials hold the h real heads only (their readers mask the padded rows), and the ranking kernels run
-on 2 warps. benchmarks/decode_variants.py times each launch against copies with one change undone.
+on 2 warps.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, load_tile, num_sms, store_tile
-from .selection import _merge_top, _overlap, stencil_rank
-from .tuning import TUNING
+from ..geometry import NSAGeometry
+from ..tuning import TUNING
+from .common import LOG2E, load_tile, merge_top, num_sms, overlap, store_tile
+from .selection import stencil_rank
 
 
 @triton.jit
@@ -54,7 +55,7 @@ def _chunk_kernel(
     row_ok = rh < h
     q = load_tile(Q + b * sqb, (g * h + tl.where(row_ok, rh, 0)).to(tl.int64) * sqh, dk, row_ok, DK)
     # CPP chunks a program, in a pipelined loop: the next chunk's keys and values load while this one's scores
-    # are computed (H100, 64k x 16: 22.1 us with one chunk a program, 18.6 with 8; see Tuning).
+    # are computed (Tuning.decode_chunk_programs_per_sm).
     c0 = tl.program_id(0) * CPP
     for c in tl.range(c0, tl.minimum(c0 + CPP, NCH), num_stages=STAGES):
         _chunk_partial(c, q, row_ok, KC, VC, PM, PL, PACC, PSC, b * scb + g * scg, sct, pid, nc, NCH,
@@ -90,25 +91,24 @@ def _chunk_partial(
     if R > 0:
         # R compressed tokens start in each selection block and none reaches past the next (l <= l'): a token's
         # weights depend only on its rank r in its block, into its block and into the next (what the overlap
-        # matrices' two [C, K] products gave, at 1.7x this kernel's time at 64k x 16 sequences on an H100).
+        # matrices' two [C, K] products give, for far fewer operations).
         rr = tl.arange(0, R) * block_stride
         p_blk = tl.reshape(p, [HP, K, R])
-        spill = tl.sum(p_blk * _overlap(rr, 1, block_len, sel_block, block_stride)[None, None, :], 2)
+        spill = tl.sum(p_blk * overlap(rr, 1, block_len, sel_block, block_stride)[None, None, :], 2)
         shift = (jj[:, None] + 1 == jj[None, :]).to(tl.float32)  # x @ shift moves column j to j + 1 (exactly)
-        sc_cur = (tl.sum(p_blk * _overlap(rr, 0, block_len, sel_block, block_stride)[None, None, :], 2)
+        sc_cur = (tl.sum(p_blk * overlap(rr, 0, block_len, sel_block, block_stride)[None, None, :], 2)
                   + tl.dot(spill, shift, input_precision="ieee"))
         sc_nxt = tl.where(jj[None, :] == 0, tl.sum(tl.where(jj[None, :] == K - 1, spill, 0.0), 1)[:, None], 0.0)
     else:
         starts = (ci * block_stride)[:, None]
-        w_cur = tl.where(ci_ok[:, None], _overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
-        w_nxt = tl.where(ci_ok[:, None], _overlap(starts, (j0 + K + jj)[None, :], block_len, sel_block, block_stride),
+        w_cur = tl.where(ci_ok[:, None], overlap(starts, (j0 + jj)[None, :], block_len, sel_block, block_stride), 0.0)
+        w_nxt = tl.where(ci_ok[:, None], overlap(starts, (j0 + K + jj)[None, :], block_len, sel_block, block_stride),
                          0.0)
         sc_cur = tl.dot(p, w_cur, input_precision="ieee")
         sc_nxt = tl.dot(p, w_nxt, input_precision="ieee")
 
     row = (pid * NCH + c).to(tl.int64) * HP + rh  # partial (program, chunk, head)
-    # Only the h real rows are stored (the readers mask the padding): at 64k x 16 sequences the padded rows were
-    # most of the kernel's writes.
+    # Only the h real rows are stored (the readers mask the padding): padded rows would be most of the writes.
     tl.store(PM + row, m, mask=row_ok)
     tl.store(PL + row, tl.sum(p, 1), mask=row_ok)
     tl.store(PACC + row[:, None] * BLOCK_DV + dv[None, :], acc, mask=row_ok[:, None])
@@ -240,7 +240,7 @@ def _select_part_kernel(
     _, _, _, j_t = _sequence(pid, G, POS, sel_block)
     first = pid * NCH
     # The group's chunks merged into one partial of the compressed branch, so that B2 merges NCG partials
-    # rather than NCH (in one program, that merge was the step's slowest kernel at 64k on an H100).
+    # rather than NCH (in one program, that merge would be a long serial walk).
     rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
     m_g, l_g, acc_g = _merge(PM, PL, PACC, first + cg * CT, tl.minimum(CT, NCH - cg * CT), h, HP, BLOCK_DV, PT, 0,
                              BLOCK_DV)
@@ -252,7 +252,7 @@ def _select_part_kernel(
     if cg * CT * K > j_t:  # every block of this group comes after t's
         tl.store(out, tl.full([1, K], -1, tl.int64))
     else:
-        # PTS chunks' statistics per load (at 64k all of them): a walk of PT at a time was latency in series.
+        # PTS chunks' statistics per load (at 64k all of them): a walk of PT at a time would be latency in series.
         m_i, l_i = _merge_stats(PM, PL, first, NCH, h, HP, PTS)
         key = _chunk_keys(PM, PSC, first, cg * CT, NCH, _lse2(m_i, l_i), j_t, h, HP, K, CT)
         tl.store(out, tl.topk(key, K))  # the group's top K, sorted by key, descending
@@ -281,7 +281,7 @@ def _select_merge_kernel(
     # first tile needs no merge; up to 64k tokens it is the only one.
     best = tl.topk(_group_lists(PK, pid, NCG, 0, K, CT), K)
     for c0 in range(CT, tl.minimum(NCG, (j_t // K) // CT + 1), CT):
-        best = _merge_top(best, tl.topk(_group_lists(PK, pid, NCG, c0, K, CT), K))
+        best = merge_top(best, tl.topk(_group_lists(PK, pid, NCG, c0, K, CT), K))
     _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
 
 
@@ -297,7 +297,7 @@ def _select_kernel(
     lse2 = _compressed_output(PM, PL, PACC, OCMP, pid, NCH, h, HP, BLOCK_DV, PT)
     best = tl.topk(_chunk_keys(PM, PSC, first, 0, NCH, lse2, j_t, h, HP, K, CT), K)
     for c0 in range(CT, j_t // K + 1, CT):
-        best = _merge_top(best, tl.topk(_chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP, K, CT), K))
+        best = merge_top(best, tl.topk(_chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP, K, CT), K))
     _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
 
 
@@ -350,7 +350,7 @@ def _combine_kernel(
     DVT: tl.constexpr, NPP: tl.constexpr,
 ):
     # One program per (sequence, group, DVT output columns): each merges every partial in one load per branch
-    # (one program per (sequence, group) walking them in series took 12 us a layer at 64k on an H100).
+    # instead of one program per (sequence, group) walking them in series.
     pid = tl.program_id(0)
     c0 = tl.program_id(1) * DVT
     b = (pid // G).to(tl.int64)
@@ -390,8 +390,7 @@ def _chunks_per_program(n_chunks: int, programs: int, device: torch.device) -> i
 
 def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                             n_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, k_win: torch.Tensor,
-                            v_win: torch.Tensor, positions: torch.Tensor, *, block_len: int, block_stride: int,
-                            sel_block: int, n_sel: int, window: int, scale: float,
+                            v_win: torch.Tensor, positions: torch.Tensor, *, geometry: NSAGeometry, scale: float,
                             selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """o [B,H,Dv] and reads [B,G] for queries q [B,H,Dk] at positions [B]; writes selected [B,G,n_sel].
 
@@ -401,6 +400,7 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     """
     B, H, Dk = q.shape
     G, Dv, L = k_sel.shape[2], v_sel.shape[-1], k_sel.shape[1]
+    block_len, block_stride, sel_block, n_sel, window = geometry.as_tuple()
     h = H // G
     # One set of strides serves keys and values (the cache allocates them alike).
     assert k_sel.stride() == v_sel.stride() and k_win.stride() == v_win.stride() and k_cmp.stride() == v_cmp.stride()
@@ -426,8 +426,7 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     reads = torch.empty(B, G, device=q.device, dtype=torch.int64)
     warps = dict(num_warps=4 if q.is_cuda else 1)
     # The ranking kernels' sorting networks exchange keys between threads at every stage: fewer warps, fewer of
-    # those exchanges go through shared memory (measured on an H100 at 64k: 28.1 -> 25.8 us a layer at batch 1,
-    # 58.1 -> 51.4 at 16; one warp spills).
+    # those exchanges go through shared memory (one warp spills).
     rank_warps = dict(num_warps=2 if q.is_cuda else 1)
     scale_log2 = scale * LOG2E
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import TUNING
+from ..tuning import TUNING
 
 
 @triton.jit

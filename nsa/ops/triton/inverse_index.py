@@ -2,8 +2,11 @@
 
 Small kernels around one device sort, with no host sync (the number of work items is a bound
 known on the host): the entries' keys; each key's range in the sorted order, from the positions
-where the key changes, and its number of items; then the items, one a lane. The same in plain
-torch took ~35 small operations, whose launch time bound a call at batch 1 below 16k tokens.
+where the key changes, and its number of items; then the items, one a lane. A few launches instead of
+the dozens of small operations plain torch would take, whose launch time bounds short calls.
+
+build_inverse_index lays the index out with the launch parameters of `Tuning` (inverse_chunk, inverse_query_ranges,
+inverse_min_range) for the block-centric selected kernels.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..tuning import TUNING
+from .common import deterministic, lower_bound
 
 _BLOCK = 1024
 """Entries or keys per program."""
@@ -28,20 +34,6 @@ def _entry_keys_kernel(IDX, KEYS, sib, sit, sig, T, G, NS, NQ, query_range, n_ke
     bg = bgt // T
     j = tl.load(IDX + (bg // G).to(tl.int64) * sib + t.to(tl.int64) * sit + bg % G * sig + f % n, mask=ok, other=-1)
     tl.store(KEYS + f, tl.where(j >= 0, (bg * NQ + t // query_range) * NS + j.to(tl.int32), n_keys), mask=ok)
-
-
-@triton.jit
-def _lower_bound(SORTED, size, key, STEPS: tl.constexpr):
-    """First position in SORTED[0:size] holding a value >= key (size if none), for each key."""
-    lo = tl.zeros_like(key)
-    hi = lo + size
-    for _ in tl.static_range(STEPS):
-        active = lo < hi
-        mid = lo + (hi - lo) // 2
-        v = tl.load(SORTED + mid, mask=active, other=0)
-        lo = tl.where(active & (v < key), mid + 1, lo)
-        hi = tl.where(active & (v >= key), mid, hi)
-    return lo
 
 
 @triton.jit
@@ -77,7 +69,7 @@ def _items_kernel(STARTS, COUNTS, ITEMS, ITEM_END, ITEM_KEY, ITEM_START, ITEM_CO
     a loop over a key's items would walk alone."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < max_items
-    lo = _lower_bound(ITEM_END, n_keys, i + 1, STEPS)  # the first key k with ITEM_END[k] > i
+    lo = lower_bound(ITEM_END, n_keys, i + 1, STEPS)  # the first key k with ITEM_END[k] > i
     used = ok & (lo < n_keys)
     k = tl.where(used, lo, 0)
     w = i - (tl.load(ITEM_END + k, mask=used, other=0) - tl.load(ITEMS + k, mask=used, other=0))
@@ -88,9 +80,8 @@ def _items_kernel(STARTS, COUNTS, ITEMS, ITEM_END, ITEM_KEY, ITEM_START, ITEM_CO
     tl.store(ITEM_COUNT + i, tl.where(used, count, 0), mask=ok)
 
 
-def _key_dtype(n_keys: int) -> torch.dtype:
-    """The narrowest type holding keys 0 .. n_keys: torch.sort sorts integers by radix, one pass per byte (at M7C
-    4k x 1, 129 keys, uint8 takes one pass instead of int32's four)."""
+def sort_key_dtype(n_keys: int) -> torch.dtype:
+    """The narrowest type holding keys 0 .. n_keys: torch.sort sorts integers by radix, one pass per byte."""
     if n_keys <= torch.iinfo(torch.uint8).max:
         return torch.uint8
     if n_keys <= torch.iinfo(torch.int16).max:
@@ -122,7 +113,7 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int, query_
     if total >= 2**31:
         raise ValueError(f"the inverse index holds fewer than 2**31 (query, slot) entries, got {total}")
     dev = indices.device
-    keys = torch.empty(total, device=dev, dtype=_key_dtype(n_keys))
+    keys = torch.empty(total, device=dev, dtype=sort_key_dtype(n_keys))
     _entry_keys_kernel[(triton.cdiv(total, _BLOCK),)](
         indices, keys, *indices.stride()[:3], T, G, num_sel_blocks, NQ, query_range, n_keys, total, n=n,
         BLOCK=_BLOCK)
@@ -135,9 +126,32 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int, query_
     item_end = torch.cumsum(items, 0, dtype=torch.int32)
     max_items = num_items(B, T, G, n, num_sel_blocks, chunk, query_range)
     # Unused items get a key past every real one: unsplit, item_key ascends over the whole array, so a key's items
-    # can be found by binary search (the deterministic backward's sums, selected_attention.py).
+    # can be found by binary search (the deterministic backward's sums, selected_attention.sum_item_partials).
     item_key, item_start, item_count = (torch.empty(max_items, device=dev, dtype=torch.int32) for _ in range(3))
     _items_kernel[(triton.cdiv(max_items, _BLOCK),)](starts, counts, items, item_end, item_key, item_start,
                                                       item_count, n_keys, max_items, chunk, num_sel_blocks, NQ,
                                                       STEPS=n_keys.bit_length(), BLOCK=_BLOCK)
     return item_key, item_start, item_count, entries.to(torch.int32)
+
+
+def inverse_layout(seq_len: int, device: torch.device) -> tuple[int, int]:
+    """(entries per work item, tokens per query range) of the index for the block-centric kernels (Tuning.inverse_*);
+    one range in deterministic mode, whose dK/dV sums need a block's items together."""
+    cuda = device.type == "cuda"
+    chunk = TUNING.inverse_chunk if cuda else 4
+    if deterministic():
+        return chunk, seq_len
+    least = TUNING.inverse_min_range if cuda else 16
+    return chunk, max(least, -(-seq_len // max(1, TUNING.inverse_query_ranges)))
+
+
+def build_inverse_index(indices: torch.Tensor, seq_len: int, sel_block: int, chunk: int | None = None):
+    """inverse_index of the selection indices [B,T,G,n] in the block-centric kernels' layout (inverse_layout)."""
+    default_chunk, query_range = inverse_layout(seq_len, indices.device)
+    return inverse_index(indices, -(-seq_len // sel_block), chunk or default_chunk, query_range)
+
+
+def built_items(batch: int, seq_len: int, groups: int, n: int, sel_block: int, device: torch.device) -> int:
+    """Length of build_inverse_index's work-item arrays for these shapes, from metadata alone (torch.compile's fake
+    tensors need it)."""
+    return num_items(batch, seq_len, groups, n, -(-seq_len // sel_block), *inverse_layout(seq_len, device))

@@ -1,67 +1,53 @@
 """dQ of all three branches in one pass, written once in q's dtype.
 
-One program per tile of (token, head) rows (range_attention's layout). It loads the rows' q and
-do once, walks the compressed keys and the window's keys (range_attention's masked-edge /
-interior loops, each branch with its own gated lse and delta), and takes the selected branch's
-share in whichever form its path left it:
+One program per tile of (token, head) rows (the span kernels' layout, common.py). It loads the rows' q and do
+once, walks the compressed keys and the window's keys (the span kernels' masked-edge / interior loops, each branch
+with its own gated lse and delta), and takes the selected branch's share in whichever form its path left it
+(branches.SelectedDQ):
 
 - SEL_TILED (short T): the selected branch's causal tiles masked by the choices, walked here too;
 - SEL_PARTS (block-centric path): the sum of the query's per-slot dQ partials;
-- SEL_DENSE (per-token path): a float32 dQ the per-query kernel wrote;
+- SEL_DENSE (per-query path, or the Gluon block-centric backward's adds): a float32 dQ;
 - SEL_NONE: no selected branch (a branch timed alone).
 
-On sm_90 GPUs the Gluon kernel of hopper_query_grad.py does the same (measured 1.2-1.5x faster).
+One pass instead of one per branch: q and do are read once and dQ is written once, where per-branch passes would
+read them three times and write, read and convert a float32 dQ in between.
 
-One branch at a time meant reading q and do three times, a float32 dq written, read and
-written again twice, then converted: at M7C's 2k x 16 sequences ~0.8 GB of traffic for a
-50 MB result.
+On sm_90 GPUs nsa.ops.dispatch may run the Gluon kernel of nsa.ops.gluon.query_grad instead (same contract).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, head_dims, load_tile, store_tile
-from .hopper_query_grad import hopper_query_grad_supports, query_grad_hopper
-from .range_attention import _blocks, _dq_keys, _key_plan, _rows
-from .tuning import TUNING
+from ..branches import SEL_PARTS, SEL_TILED, SelectedDQ
+from ..geometry import NSAGeometry
+from ..tuning import TUNING
+from .common import (LOG2E, head_dims, key_plan, key_step, load_tile, picked, picked_rows, program_rows,
+                     store_tile, tile_sizes, visible)
 
-SEL_NONE, SEL_TILED, SEL_PARTS, SEL_DENSE = 0, 1, 2, 3
 
-
-@dataclass
-class SelectedDQ:
-    """The selected branch's share of dQ, as its backward left it (see the module docstring)."""
-
-    kind: int
-    k: torch.Tensor | None = None
-    """SEL_TILED: the branch's keys [B,T,G,Dk] ..."""
-    v: torch.Tensor | None = None
-    """... and values."""
-    choice: torch.Tensor | None = None
-    """SEL_TILED: chosen_bits [B,T,G]; SEL_PARTS: the indices [B,T,G,n]."""
-    parts: torch.Tensor | None = None
-    """SEL_PARTS: per-(query, slot, head) partials [B*G*T*n, h, Dk], already scaled."""
-    dq: torch.Tensor | None = None
-    """SEL_DENSE: float32 [B,T,H,Dk], already scaled."""
-    sel_block: int = 1
-
-    def dense(self) -> torch.Tensor:
-        """SEL_PARTS or SEL_DENSE as a float32 dQ [B,T,H,Dk] (the partials summed over the used slots; unused slots'
-        partials are never written). For checks and benchmarks: query_grad reads the partials in place."""
-        if self.kind == SEL_DENSE:
-            return self.dq
-        if self.kind != SEL_PARTS:
-            raise ValueError(f"only the partials or a dense dQ can be summed, not kind {self.kind}")
-        B, T, G, n = self.choice.shape
-        h, Dk = self.parts.shape[1:]
-        used = (self.choice.permute(0, 2, 1, 3) >= 0)[..., None, None]
-        summed = torch.where(used, self.parts.float().view(B, G, T, n, h, Dk), 0.0).sum(3)
-        return summed.permute(0, 2, 1, 3, 4).reshape(B, T, G * h, Dk)
+@triton.jit
+def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block,
+             dk, dv, scale_log2, dq, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
+             DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq plus the (unscaled) dQ over key steps [first, last) of one branch; MASKED applies each row's range."""
+    for start in range(first, last, BLOCK_N):
+        kidx, k, v = key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK, DV, BLOCK_N)
+        if MODE == 2 and ONE_BLOCK:
+            p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 -
+                        tl.where(picked_rows(chosen, start, sel_block), lse2, float("inf"))[:, None])
+        else:
+            p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])
+        if MASKED:
+            p = tl.where(visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK), p, 0.0)
+        elif MODE == 2 and not ONE_BLOCK:
+            p = tl.where(picked(chosen, kidx, sel_block), p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
 
 
 @triton.jit
@@ -72,7 +58,7 @@ def _branch_dq(q, do, dq, LSE, DELTA, lse_off, row_ok, K, V, k_base, v_base, skt
     """dq plus one range branch's (unscaled) dQ for the program's rows."""
     lse2 = tl.load(LSE + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
-    lo, hi, k_start, k_end, chosen, a, e = _key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE,
+    lo, hi, k_start, k_end, chosen, a, e = key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE,
                                                      block_len, block_stride, window, BLOCK_M, BLOCK_N)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen,
                   sel_block, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, DK, DV, BLOCK_N)
@@ -95,14 +81,14 @@ def _query_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    b, g, row_ok, t, head = _rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
+    b, g, row_ok, t, head = program_rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
     do = load_tile(DO, b * sdob + t * sdot + head * sdoh, dv, row_ok, DV)
     lse_off = b * slb + t * slt + head
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    # The branches' modes are range_attention's MODE_CMP (0), MODE_WIN (1) and MODE_SEL (2).
+    # The branches' modes are branches.MODE_CMP (0), MODE_WIN (1) and MODE_SEL (2); SEL is a SEL_* kind.
     if HAS_CMP:
         dq = _branch_dq(q, do, dq, LSE_C, DELTA_C, lse_off, row_ok, KC, VC, b * skcb + g * skcg, b * svcb + g * svcg,
                         skct, svct, NC, pid_m, b, g, t, T, h, SEL_IDX, sib, sit, sig, block_len, block_stride,
@@ -139,30 +125,21 @@ def _strides3(t: torch.Tensor | None) -> tuple:
     return tuple(t.stride()[:3]) if t is not None else (0, 0, 0)
 
 
-def query_grad(q: torch.Tensor, do: torch.Tensor, lse_g: torch.Tensor, delta: torch.Tensor, scale: float,
-               block_len: int, block_stride: int, window: int, cmp: tuple | None, win: tuple | None,
-               sel: SelectedDQ) -> torch.Tensor:
-    """dQ [B,T,H,Dk] in q's dtype: the compressed ((k, v) or None), window ((k, v) or None) and selected branches.
-
-    lse_g and delta [3,B,T,H] (cmp, sel, win) are gating.gate_grads's gated lse and dL/dg.
-    """
+def launch(q: torch.Tensor, do: torch.Tensor, dq: torch.Tensor, lse_g: torch.Tensor, delta: torch.Tensor,
+           scale: float, geometry: NSAGeometry, cmp: tuple | None, win: tuple | None, sel: SelectedDQ) -> None:
+    """dQ [B,T,H,Dk] into dq (q's dtype) from the compressed ((k, v) or None), window ((k, v) or None) and selected
+    branches; lse_g and delta [3,B,T,H] (cmp, sel, win) are gating.gate_grads's gated lse and dL/dg."""
     B, T, H, Dk = q.shape
     Dv = do.shape[-1]
     G = _groups(cmp, win, sel)
     h = H // G
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     n = sel.choice.shape[-1] if sel.kind == SEL_PARTS else 1
-    sel_kv = (sel.k, sel.v) if sel.kind == SEL_TILED else None
-    if hopper_query_grad_supports(q, do, cmp, win, sel.kind, sel_kv, sel.sel_block):
-        query_grad_hopper(q, do, dq, lse_g, delta, scale, block_len, block_stride, window, cmp, win, sel.kind, sel_kv,
-                          sel.choice, sel.parts, sel.dq, n, sel.sel_block)
-        return dq
-    # The Triton kernel takes every pointer: absent branches get q as a placeholder.
+    # The kernel takes every pointer: absent branches get q as a placeholder.
     kc, vc = cmp if cmp is not None else (q, q)
     kw, vw = win if win is not None else (q, q)
-    ks, vs = sel_kv if sel_kv is not None else (q, q)
+    ks, vs = (sel.k, sel.v) if sel.kind == SEL_TILED else (q, q)
     choice = sel.choice if sel.choice is not None else q
-    cfg = _blocks(q, Dk, Dv, "dq")
+    cfg = tile_sizes(q, Dk, Dv, "dq")
     if sel.kind == SEL_TILED and q.device.type == "cuda" and max(Dk, Dv) <= 64:
         cfg["BLOCK_N"] = TUNING.dq_block_n_tiled
     _query_grad_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
@@ -170,10 +147,9 @@ def query_grad(q: torch.Tensor, do: torch.Tensor, lse_g: torch.Tensor, delta: to
         sel.parts if sel.parts is not None else q, sel.dq if sel.dq is not None else q,
         *q.stride()[:3], *do.stride()[:3], *lse_g.stride()[1:3], *dq.stride()[:3],
         *_strides3(kc), *_strides3(vc), *_strides3(ks), *_strides3(vs), *_strides3(kw), *_strides3(vw),
-        *_strides3(choice if sel.choice is not None else None), *_strides3(sel.dq),
-        T, kc.shape[1] if cmp is not None else 0, G, h, n, scale * LOG2E, scale, block_len, block_stride, window,
-        sel.sel_block, HAS_CMP=cmp is not None, HAS_WIN=win is not None, SEL=sel.kind,
-        NP=triton.next_power_of_2(n), ONE_BLOCK=sel.sel_block % cfg["BLOCK_N"] == 0, **head_dims(Dk, Dv), **cfg,
+        *_strides3(sel.choice), *_strides3(sel.dq),
+        T, kc.shape[1] if cmp is not None else 0, G, h, n, scale * LOG2E, scale, geometry.block_len,
+        geometry.block_stride, geometry.window, geometry.sel_block, HAS_CMP=cmp is not None, HAS_WIN=win is not None,
+        SEL=sel.kind, NP=triton.next_power_of_2(n), ONE_BLOCK=geometry.sel_block % cfg["BLOCK_N"] == 0,
+        **head_dims(Dk, Dv), **cfg,
     )
-    return dq
-

@@ -1,34 +1,25 @@
-"""The selected branch, computed block-centrically in both directions (tiled at short T).
+"""The selected branch's gathered kernels: block-centric in both directions, per query for large groups.
 
-While a sequence has few selection blocks (`Tuning.tiled_max_blocks*`), most of each
-query's causal prefix is selected and the branch runs as range_attention's MODE_SEL:
-dense causal tiles masked by each query's choices. The forward stays tiled longer than the
-backward (`Tuning.tiled_max_blocks_forward`): both paths compute the same o_sel and lse, so
-a tiled forward can be followed by a block-centric backward. Beyond that:
+Query t attends to the tokens s <= t of its group's n selected blocks. While a sequence has few selection blocks
+the branch runs tiled (span_attention's MODE_SEL); beyond, nsa.ops.dispatch.selected_path picks one of:
 
-Query t attends to the tokens s <= t of its group's n selected blocks. Loading each
-query's blocks separately (the paper's per-token gather) reads n * l' keys and values
-per query and is bound by cache bandwidth. Instead an inverse index lists, for every
-(batch, group, block), the queries that chose it (one device sort, no host sync);
-work items of at most `Tuning.inverse_chunk` queries each load their block's keys and
-values once and loop over the queries' (query, head) rows:
+- block-centric (groups of fewer than 16 heads): loading each query's blocks separately reads n * l' keys and
+  values per query and is bound by cache bandwidth. Instead an inverse index (inverse_index.py) lists, for every
+  (batch, group, block), the queries that chose it; work items of at most `Tuning.inverse_chunk` queries each load
+  their block's keys and values once and loop over the queries' (query, head) rows:
+  - forward (block_partials): each item writes, per (query, slot, head), the block's partial output and its
+    log-sum-exp; `finalize` merges a query's n partials exactly (like split-K attention) and applies the gates of
+    all three branches in the same pass;
+  - backward (block_backward): each item accumulates its block's dK/dV in registers (one float32 atomic add per
+    element per item; only blocks chosen by more queries than one item holds have several) and writes each row's
+    dQ contribution to a per-slot buffer, which the dQ kernel of every branch sums (query_grad.py): dQ needs no
+    second gather of the keys. In deterministic mode each item writes its own partial dK/dV instead, summed in
+    item order (sum_item_partials).
+- per-query (groups of 16+ heads, whose h heads fill the matrix rows): token_forward and token_dq gather a query's
+  n blocks; its dK/dV stays block-centric.
 
-- forward: each item writes, per (query, slot, head), the block's partial output and
-  its log-sum-exp; `finalize` merges a query's n partials exactly (like split-K
-  attention) and applies the gates of all three branches in the same pass;
-- backward: each item accumulates its block's dK/dV in registers (one float32 atomic
-  add per element per item, only blocks chosen by more queries than one item holds
-  have several) and writes each row's dQ contribution to a per-slot buffer, which
-  query_grad sums while it computes the other branches' dQ. dQ thus needs no second
-  gather of the keys. The Gluon kernel instead adds the rows' dQ into one float32 dQ
-  with atomics (`Tuning.selected_dq_adds`), except in deterministic mode.
-
-The inverse index splits each block's queries into ranges (`Tuning.inverse_query_ranges`)
-and orders the items by range: the programs running together then gather rows of one
-range of q, which the L2 cache holds, and add their dQ rows into one range.
-
-On sm_90 GPUs, for calls large enough, both block-centric kernels run as Gluon kernels
-(hopper_selected_forward.py, hopper_selected_backward.py: same contracts).
+On sm_90 GPUs, for calls large enough, the block-centric kernels may run as the Gluon kernels of
+nsa.ops.gluon.selected_forward and .selected_backward (same contracts).
 """
 
 from __future__ import annotations
@@ -37,17 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, deterministic, head_dims, load_grad_rows, load_tile, softmax_finish, softmax_step,
+from ..tuning import TUNING
+from .common import (LOG2E, head_dims, load_grad_rows, load_tile, lower_bound, softmax_finish, softmax_step,
                      store_tile)
-from .hopper_selected_backward import hopper_selected_backward_supports, selected_backward_hopper
-from .hopper_selected_forward import (hopper_selected_forward_eligible, hopper_selected_forward_supports,
-                                      selected_forward_hopper)
-from .inverse_index import _lower_bound, inverse_index
-from .query_grad import SEL_DENSE, SEL_PARTS, SEL_TILED, SelectedDQ
-from .range_attention import MODE_SEL, chosen_bits, range_attention_dkdv, range_attention_fwd
-from .tuning import TUNING
-
-TILED, TOKEN, BLOCKS = "tiled", "per-token", "block-centric"
 
 
 @triton.jit
@@ -73,7 +56,7 @@ def _item_rows(ENTRIES, start, r0, count, bg, T, n: tl.constexpr, h: tl.constexp
     """(row ok, flat entry f, query t, head-in-group) for rows r0.. of an item; rows are (entry, head).
 
     f = ((b * G + g) * T + t) * n + slot < 2**31 (the entries are int32), so t is found in 32 bits from the item's
-    bg = b * G + g: an int64 division or modulo by a runtime value is a ~100-instruction subroutine call per row.
+    bg = b * G + g: an int64 division or modulo by a runtime value is a long subroutine call per row.
     """
     rows = r0 + tl.arange(0, BLOCK_R)
     row_ok = rows < count * h
@@ -117,9 +100,8 @@ def _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, first, last, b, 
     """Each row's partial output and log-sum-exp (log2 units) over the item's block, for row steps [first, last).
 
     The scale is applied in the exponent's FMA (the row maximum of the raw scores, scale > 0), and the rows
-    normalised by a reciprocal: one instruction per element each, where a multiply, a subtract and a division
-    were (sm_90: 794 -> 525 per unmasked step). At 64k the kernel's time did not move: writing the partials
-    bounds it there."""
+    normalised by a reciprocal: one instruction per element each, instead of a multiply, a subtract and a
+    division."""
     for r0 in range(first, last, BLOCK_R):
         row_ok, f, t, hh = _item_rows(ENTRIES, start, r0, count, bg, T, n, h, BLOCK_R)
         q = load_tile(Q, b * sqb + t.to(tl.int64) * sqt + (g * h + hh).to(tl.int64) * sqh, dk, row_ok, DK)
@@ -296,16 +278,15 @@ def _bwd_rows(Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, first, last, b, 
               BLOCK_R: tl.constexpr, MASKED: tl.constexpr):
     """The block's dK/dV (and each row's dQ partial) over row steps [first, last). The gathers run ahead of the
     math (they depend on the entries, which the loop cannot pipeline): each step loads the next step's rows and
-    the entries of the step after, carried in (ok1, ...) and (ok2, ...). Measured on an H100 at 64k: 6.18 ->
-    5.21 ms (M7C), 63.5 -> 56.8 (paper); the same in the forward partials was slower (3.76 -> 4.46 ms)."""
+    the entries of the step after, carried in (ok1, ...) and (ok2, ...). The forward's partials load their rows
+    in step: there the carried registers cost more than the latency they hide."""
     for r0 in range(first, last, BLOCK_R):
         row_ok, f, t, hh, q, do, lse2, delta = ok1, f1, t1, hh1, q1, do1, lse1, delta1
         ok1, f1, t1, hh1 = ok2, f2, t2, hh2
         q1, do1, lse1, delta1 = _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t1, hh1, ok1, sqb, sqt, sqh,
                                                 sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
         ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, r0 + 2 * BLOCK_R, count, bg, T, n, h, BLOCK_R)
-        # Rows-major tiles measured faster on H200 than keys-major ones (which avoid the transposes):
-        # 6.6 vs 12.1 ms at M7C 64k, 67 vs 97 ms at the paper shape (benchmarks/RESULTS.md).
+        # Rows-major tiles, transposed for the dK/dV products: keys-major ones avoid the transposes but run slower.
         p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])  # [BLOCK_R, BLOCK_L]
         if MASKED:
             p = tl.where(k_ok[None, :] & row_ok[:, None] & (pos[None, :] <= t[:, None]), p, 0.0)
@@ -358,7 +339,7 @@ def _sel_bwd_kernel(
             store_tile(DKo + item.to(tl.int64) * (BLOCK_L * DK), lk * DK, dk, lk < BLOCK_L, dk_acc * scale, DK)
             store_tile(DVo + item.to(tl.int64) * (BLOCK_L * DV), lk * DV, dv, lk < BLOCK_L, dv_acc, DV)
         else:
-            # Relaxed atomics: see range_attention's dK/dV kernel (measured 5.21 -> 4.80 ms here at M7C 64k, H100).
+            # Relaxed atomics: a sum needs no ordering, and Triton's default (acq_rel) fences the whole GPU.
             kidx = pos.to(tl.int64)
             tl.atomic_add(DKo + (b * sdkb + g * sdkg + kidx * sdkt)[:, None] + dk[None, :], dk_acc * scale,
                           mask=k_ok[:, None] & (dk[None, :] < DK), sem="relaxed")
@@ -375,7 +356,7 @@ def _sum_item_partials_kernel(PART, ITEM_KEY, OUT, so_b, so_t, so_g, n_items, T,
     consecutive in the inverse index, and its item_key ascends (unused items hold the largest key)."""
     key = tl.program_id(0)
     r0 = tl.program_id(1) * ROWS
-    ends = _lower_bound(ITEM_KEY, n_items, key + tl.arange(0, 2), STEPS)  # the key's first item, and the next key's
+    ends = lower_bound(ITEM_KEY, n_items, key + tl.arange(0, 2), STEPS)  # the key's first item, and the next key's
     first = tl.sum(tl.where(tl.arange(0, 2) == 0, ends, 0))
     stop = tl.sum(tl.where(tl.arange(0, 2) == 1, ends, 0))
     r = r0 + tl.arange(0, ROWS)
@@ -397,17 +378,8 @@ def _sum_item_partials_kernel(PART, ITEM_KEY, OUT, so_b, so_t, so_g, n_items, T,
 # ---------------------------------------------------------------- launchers
 
 
-def _sum_item_partials(part: torch.Tensor, item_key: torch.Tensor, out: torch.Tensor, T: int, G: int, sel_block: int,
-                       block_l: int) -> None:
-    """out [B, T, G, D] (float32) <- per block, its items' partials part [n_items, block_l, D], in item order."""
-    B, D = out.shape[0], out.shape[-1]
-    NS = -(-T // sel_block)
-    rows = min(block_l, 16) if out.is_cuda else block_l
-    n_items = item_key.numel()
-    _sum_item_partials_kernel[(B * G * NS, -(-block_l // rows))](
-        part, item_key, out, out.stride(0), out.stride(1), out.stride(2), n_items, T, G, NS, sel_block,
-        D=D, BLOCK_L=block_l, ROWS=rows, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        STEPS=max(1, n_items.bit_length()), num_warps=4 if out.is_cuda else 1)
+def _strides(*tensors) -> tuple:
+    return tuple(s for t in tensors for s in t.stride()[:3])
 
 
 def _item_launch(q: torch.Tensor, dv: int) -> dict:
@@ -418,7 +390,7 @@ def _item_launch(q: torch.Tensor, dv: int) -> dict:
     return dict(BLOCK_R=TUNING.sel_block_r, num_warps=TUNING.sel_warps)
 
 
-def _block_launch(sel_block: int) -> dict:
+def block_tile(sel_block: int) -> dict:
     """The block-centric kernels' key tile: the block (FULL) or, for a block size that is not a power of two,
     the next one up (whose extra keys every row masks)."""
     block_l = max(16, triton.next_power_of_2(sel_block))
@@ -436,145 +408,86 @@ def _row_launch(q: torch.Tensor) -> dict:
     return dict(BLOCK_M=TUNING.row_block_m, num_warps=TUNING.row_warps)
 
 
-def selected_path(seq_len: int, heads_per_group: int, sel_block: int, forward: bool = False,
-                  gluon_forward: bool = False) -> str:
-    """TILED while the sequence has few selection blocks; otherwise TOKEN (forward and dQ by per-query
-    gathers, h fills the matrix rows) for large groups, BLOCKS for small ones. `forward`: the path of the
-    forward, which may stay tiled where the backward's (the default) does not, and which with the Gluon
-    block-centric kernel (`gluon_forward`: hopper_selected_forward_eligible) stays block-centric up to
-    token_min_heads_forward."""
-    large = heads_per_group >= TUNING.token_min_heads
-    most = TUNING.tiled_max_blocks_large_groups if large else TUNING.tiled_max_blocks
-    if forward:
-        most = max(most, TUNING.tiled_max_blocks_forward)
-    if -(-seq_len // sel_block) <= min(most, 64):
-        return TILED
-    if forward and gluon_forward:
-        large = heads_per_group >= TUNING.token_min_heads_forward
-    return TOKEN if large else BLOCKS
-
-
-def inverse_layout(seq_len: int, device: torch.device) -> tuple[int, int]:
-    """(entries per work item, tokens per query range) of the inverse index (Tuning.inverse_*); one range in
-    deterministic mode, whose dK/dV sums need a block's items together."""
-    cuda = device.type == "cuda"
-    chunk = TUNING.inverse_chunk if cuda else 4
-    if deterministic():
-        return chunk, seq_len
-    least = TUNING.inverse_min_range if cuda else 16
-    return chunk, max(least, -(-seq_len // max(1, TUNING.inverse_query_ranges)))
-
-
-def build_inverse_index(indices: torch.Tensor, seq_len: int, sel_block: int, chunk: int | None = None):
-    default_chunk, query_range = inverse_layout(seq_len, indices.device)
-    return inverse_index(indices, -(-seq_len // sel_block), chunk or default_chunk, query_range)
-
-
-def _strides(*tensors) -> tuple:
-    return tuple(s for t in tensors for s in t.stride()[:3])
-
-
-def selected_forward(q, k, v, indices, inverse, o_cmp, o_win, gates, scale: float, sel_block: int):
-    """(o, o_sel, lse_sel): the selected branch and the gated sum of all three branches.
-
-    `inverse` (from build_inverse_index) is needed on the BLOCKS path.
-    """
+def token_forward(q, k, v, indices, o_sel, lse_sel, scale: float, sel_block: int) -> None:
+    """The per-query forward: o_sel [B,T,H,Dv] and lse_sel [B,T,H] (float32) of every query over its chosen blocks."""
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
-    path = selected_path(T, h, sel_block, True, hopper_selected_forward_eligible(q, k, v, sel_block))
-    if path == TILED:  # the tiled kernel writes the gated sum too
-        bits = chosen_bits(indices, -(-T // sel_block))
-        o_sel, lse_sel, o = range_attention_fwd(q, k, v, MODE_SEL, scale, 1, 1, 1, bits=bits, sel_block=sel_block,
-                                                gated=(o_cmp, o_win, gates))
-        return o, o_sel, lse_sel
-    o = torch.empty(B, T, H, Dv, device=q.device, dtype=q.dtype)
-    o_sel = torch.empty_like(o)
-    lse_sel = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    opart = lsepart = lse_sel  # the block-centric partials; unused by the per-token path
-    if path == TOKEN:
-        _sel_token_fwd_kernel[(T, B * G)](
-            q, k, v, indices, o_sel, lse_sel, *_strides(q, k, v, indices, o_sel), *lse_sel.stride()[:2],
-            T, G, h, scale * LOG2E, sel_block, n, **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
-        )
-    else:
-        item_key, item_start, item_count, entries = inverse
-        opart = torch.empty(B * G * T * n, h, Dv, device=q.device, dtype=q.dtype)
-        lsepart = torch.empty(B * G * T * n, h, device=q.device, dtype=torch.float32)
-        if hopper_selected_forward_supports(q, k, v, sel_block):
-            selected_forward_hopper(q, k, v, opart, lsepart, inverse, scale, n)
-        else:
-            _sel_fwd_partial_kernel[(item_key.numel(),)](
-                q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_strides(q, k, v),
-                T, G, -(-T // sel_block), n, h, scale * LOG2E, sel_block,
-                **head_dims(Dk, Dv), **_block_launch(sel_block), **_item_launch(q, Dv),
-            )
+    _sel_token_fwd_kernel[(T, B * G)](
+        q, k, v, indices, o_sel, lse_sel, *_strides(q, k, v, indices, o_sel), *lse_sel.stride()[:2],
+        T, G, h, scale * LOG2E, sel_block, n, **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
+    )
+
+
+def block_partials(q, k, v, inverse, opart, lsepart, scale: float, sel_block: int, n: int) -> None:
+    """The block-centric forward: every (query, slot, head)'s partial output and log-sum-exp (log2 units) over its
+    block, into opart [B*G*T*n, h, Dv] and lsepart [B*G*T*n, h]; `inverse` from inverse_index.build_inverse_index."""
+    B, T, H, Dk = q.shape
+    G, Dv = k.shape[2], v.shape[-1]
+    item_key, item_start, item_count, entries = inverse
+    _sel_fwd_partial_kernel[(item_key.numel(),)](
+        q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_strides(q, k, v),
+        T, G, -(-T // sel_block), n, H // G, scale * LOG2E, sel_block,
+        **head_dims(Dk, Dv), **block_tile(sel_block), **_item_launch(q, Dv),
+    )
+
+
+def finalize(opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel, merge: bool) -> None:
+    """o = the gated sum of the three branches; with `merge`, o_sel and lse_sel are first merged from the
+    block-centric partials (exactly, like split-K attention)."""
+    B, T, H, Dv = o.shape
+    G, n = indices.shape[2], indices.shape[-1]
+    h = H // G
     cfg = _row_launch(o)
     _finalize_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
         opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel,
         *indices.stride()[:3], *o.stride()[:3], *gates.stride()[:3], *lse_sel.stride()[:2],
-        T, G, h, n, MERGE=path == BLOCKS, DV=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        T, G, h, n, MERGE=merge, DV=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
         NP=triton.next_power_of_2(n), **cfg,
     )
-    return o, o_sel, lse_sel
 
 
-def selected_backward(q, k, v, indices, inverse, do, lse, delta, scale: float, sel_block: int):
-    """(dK, dV) (float32, or k's type where range_attention_dkdv stores them once) and the branch's share of dQ as
-    query_grad takes it (SelectedDQ).
+def block_backward(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, scale: float, sel_block: int, n: int,
+                   write_dq: bool, partials: bool) -> None:
+    """The block-centric backward: adds each block's dK/dV into dk_acc/dv_acc (float32 [B,T,G,D], zeroed), or with
+    `partials` writes each item's to its slot of dk_acc/dv_acc [items, BLOCK_L, D] (sum_item_partials adds them);
+    with write_dq, each row's dQ share into dqpart [B*G*T*n, h, Dk] (q's type).
 
     do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
-    gating.gate_grads (lse_sel - ln(gate), rowsum(do * o_sel)).
-    """
+    gating.gate_grads (lse_sel - ln(gate), rowsum(do * o_sel))."""
+    B, T, H, Dk = q.shape
+    G, Dv = k.shape[2], v.shape[-1]
+    item_key, item_start, item_count, entries = inverse
+    out_strides = (0,) * 6 if partials else _strides(dk_acc, dv_acc)
+    _sel_bwd_kernel[(item_key.numel(),)](
+        q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, item_key, item_start, item_count, entries,
+        *_strides(q, k, v, do), *lse.stride()[:2], *out_strides,
+        T, G, -(-T // sel_block), n, H // G, scale * LOG2E, scale, sel_block, WRITE_DQ=write_dq,
+        **head_dims(Dk, Dv), **block_tile(sel_block), **_item_launch(q, Dv), PARTIALS=partials,
+    )
+
+
+def sum_item_partials(part: torch.Tensor, item_key: torch.Tensor, out: torch.Tensor, T: int, G: int,
+                      sel_block: int) -> None:
+    """out [B, T, G, D] (float32) <- per block, its items' partials part [n_items, BLOCK_L, D], in item order."""
+    B, D = out.shape[0], out.shape[-1]
+    block_l = block_tile(sel_block)["BLOCK_L"]
+    NS = -(-T // sel_block)
+    rows = min(block_l, 16) if out.is_cuda else block_l
+    n_items = item_key.numel()
+    _sum_item_partials_kernel[(B * G * NS, -(-block_l // rows))](
+        part, item_key, out, out.stride(0), out.stride(1), out.stride(2), n_items, T, G, NS, sel_block,
+        D=D, BLOCK_L=block_l, ROWS=rows, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        STEPS=max(1, n_items.bit_length()), num_warps=4 if out.is_cuda else 1)
+
+
+def token_dq(q, k, v, indices, do, lse, delta, dq, scale: float, sel_block: int) -> None:
+    """The per-query dQ of the selected branch into dq (float32 [B,T,H,Dk], scaled)."""
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
-    path = selected_path(T, h, sel_block)
-    if path == TILED:
-        bits = chosen_bits(indices, -(-T // sel_block))
-        dk, dv = range_attention_dkdv(q, k, v, do, lse, delta, MODE_SEL, scale, 1, 1, 1, bits=bits,
-                                      sel_block=sel_block)
-        return dk, dv, SelectedDQ(SEL_TILED, k=k, v=v, choice=bits, sel_block=sel_block)
-    token = path == TOKEN
-    if token and inverse[0].numel() == 0:  # its dK/dV is block-centric too; a per-query forward built no index
-        inverse = build_inverse_index(indices, T, sel_block)
-    item_key, item_start, item_count, entries = inverse
-    partials = deterministic()
-    alloc = torch.empty if partials else torch.zeros  # the sums below write every row, the atomics add into zeros
-    dk_out = alloc(k.shape, device=k.device, dtype=torch.float32)
-    dv_out = alloc(v.shape, device=v.device, dtype=torch.float32)
-    # Deterministic mode: every item writes its block's partial dK/dV to a slot of its own, summed below in item
-    # order, instead of adding it atomically into dk_out/dv_out (what several items of one block would race on).
-    launch = _block_launch(sel_block)
-    dk_acc, dv_acc = ((torch.empty(item_key.numel(), launch["BLOCK_L"], x.shape[-1], device=x.device,
-                                   dtype=torch.float32) for x in (k, v)) if partials else (dk_out, dv_out))
-    gluon = hopper_selected_backward_supports(q, k, v, do, sel_block, write_dq=not token)
-    dq_adds = gluon and not token and not partials and TUNING.selected_dq_adds
-    if dq_adds:  # the rows' dQ added into one float32 dQ (Tuning.selected_dq_adds)
-        dqpart = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    else:
-        dqpart = q if token else torch.empty(B * G * T * n, h, Dk, device=q.device, dtype=q.dtype)
-    if gluon:
-        selected_backward_hopper(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, scale, n, not token,
-                                 partials, dq_adds)
-    else:
-        _sel_bwd_kernel[(item_key.numel(),)](
-            q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, item_key, item_start, item_count, entries,
-            *_strides(q, k, v, do), *lse.stride()[:2], *_strides(dk_out, dv_out),
-            T, G, -(-T // sel_block), n, h, scale * LOG2E, scale, sel_block, WRITE_DQ=not token,
-            **head_dims(Dk, Dv), **launch, **_item_launch(q, Dv), PARTIALS=partials,
-        )
-    if partials:
-        for part, out in ((dk_acc, dk_out), (dv_acc, dv_out)):
-            _sum_item_partials(part, item_key, out, T, G, sel_block, launch["BLOCK_L"])
-    if dq_adds:
-        return dk_out, dv_out, SelectedDQ(SEL_DENSE, choice=indices, dq=dqpart)
-    if not token:
-        return dk_out, dv_out, SelectedDQ(SEL_PARTS, choice=indices, parts=dqpart)
-    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     _sel_token_dq_kernel[(T, B * G)](
         q, k, v, indices, do, lse, delta, dq, *_strides(q, k, v, indices, do), *lse.stride()[:2],
         *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
         **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
     )
-    return dk_out, dv_out, SelectedDQ(SEL_DENSE, choice=indices, dq=dq)

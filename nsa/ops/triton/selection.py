@@ -6,8 +6,8 @@ compressed tokens that start inside the chunk, sums the group's heads, maps them
 selection-block scores with the overlap weights, and merges the chunk into a running
 top-K list per token. No [T, Nc] or [T, Ns] matrix ever exists. Where l <= l' with l'/d a
 power of two (M7C's and the paper's 32/16/64), the mapping is two weights per rank of a
-token in its block and a one-column shift (measured on H100 at 64k: paper 13.2 -> 11.2 ms;
-M7C 2.37 -> 1.61 ms once a group's heads were split into power-of-two sets); otherwise it
+token in its block and a one-column shift (fewer products than the overlap matrix, and its sums stay
+within a thread once a group's heads are split into power-of-two sets); otherwise it
 is a small exact-fp32 matrix product with the overlap weights.
 
 A compressed token starting in chunk c can reach into chunk c + 1 (it spans l
@@ -22,25 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E
-from .tuning import TUNING
-
-
-@triton.jit
-def _overlap(tok_start, j, block_len, sel_block, block_stride):
-    """|[tok_start, tok_start + l) ∩ [j*l', (j+1)*l')| / d for broadcastable index tensors."""
-    lo = tl.maximum(tok_start, j * sel_block)
-    hi = tl.minimum(tok_start + block_len, (j + 1) * sel_block)
-    return tl.maximum(hi - lo, 0).to(tl.float32) / block_stride
-
-
-@triton.jit
-def _merge_top(best, key):
-    """The K largest of best (sorted descending) and the chunk's K keys, sorted descending."""
-    # Elementwise max of a descending and an ascending list is a bitonic sequence holding the K largest of
-    # both (the first half-cleaner of a bitonic merge); one bitonic merge sorts it. Sorting only the new keys
-    # and merging is cheaper than a top-K over both lists (measured on H100: scoring 4.7 -> 3.9 ms, M7C at 64k).
-    return tl.bitonic_merge(tl.maximum(best, tl.sort(key)), descending=True)
+from ..geometry import NSAGeometry
+from ..tuning import TUNING
+from .common import LOG2E, merge_top, overlap
 
 
 @triton.jit
@@ -61,8 +45,8 @@ def _chunk_p(q, kc, ci, ci_ok, rt, lse2, scale_log2, block_len, block_stride, BL
 
     TRANS computes the scores transposed ([C, rows]): a token's HP heads are then neighbouring columns of the
     matrix product, which sum mostly within a thread; as rows they sit in HP lanes, three shuffle rounds per value
-    at HP = 8 (M7C at 64k on an H100: 3.43 -> 3.07 ms). Tiles of more than 128 rows stay untransposed (a [C, rows]
-    product on 8 warps computes twice). Unmasked chunks are those every row of the tile sees whole; padded heads and
+    at HP = 8. Large tiles stay untransposed (Tuning.select_transposed_max_rows: a [C, rows] product on 8 warps
+    computes twice). Unmasked chunks are those every row of the tile sees whole; padded heads and
     rows past T have lse2 = +inf, so their p is 0 without a mask.
     """
     if TRANS:
@@ -134,7 +118,7 @@ def _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K: tl.const
     bits = score.to(tl.int32, bitcast=True).to(tl.int64)
     bits = tl.where(forced, 0x7F800000, bits)
     key = bits * 4294967296 + (4294967295 - j)
-    return _merge_top(best, tl.where(candidate, key, -1)), carry
+    return merge_top(best, tl.where(candidate, key, -1)), carry
 
 
 @triton.jit
@@ -161,8 +145,7 @@ def _select_kernel(
     j_t = tok // sel_block
     t_first = pid_t * BLOCK_T
     t_last = tl.minimum(T - 1, t_first + BLOCK_T - 1)
-    # A tile whose tokens all have at most n candidate blocks chooses all of them: nothing to score (at 2k in
-    # M7C, half the tokens).
+    # A tile whose tokens all have at most n candidate blocks chooses all of them: nothing to score.
     all_fit = t_last // sel_block < n_sel
     n_chunks = tl.where(all_fit, 0, (t_last // sel_block) // K + 1)
     # Chunks whose compressed tokens the tile's first token (so every row) sees whole need no visibility mask.
@@ -176,15 +159,15 @@ def _select_kernel(
         # R compressed tokens start in each selection block and none reaches past the next one (l <= l'):
         # a token's weight depends only on its rank r in its block, into that block and into the next.
         rr = tl.arange(0, R) * block_stride
-        w_cur = _overlap(rr, 0, block_len, sel_block, block_stride)[None, None, :]
-        w_nxt = _overlap(rr, 1, block_len, sel_block, block_stride)[None, None, :]
+        w_cur = overlap(rr, 0, block_len, sel_block, block_stride)[None, None, :]
+        w_nxt = overlap(rr, 1, block_len, sel_block, block_stride)[None, None, :]
         shift = (jj[:, None] + 1 == jj[None, :]).to(tl.float32)  # x @ shift moves column j to j + 1
     else:
         # Columns past chunk_tokens (C is a power of two) belong to the next chunk: zero weights drop them.
         starts = (ci_local * block_stride)[:, None]
         in_chunk = (ci_local < chunk_tokens)[:, None]
-        w_cur = tl.where(in_chunk, _overlap(starts, jj[None, :], block_len, sel_block, block_stride), 0.0)
-        w_nxt = tl.where(in_chunk, _overlap(starts, (K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
+        w_cur = tl.where(in_chunk, overlap(starts, jj[None, :], block_len, sel_block, block_stride), 0.0)
+        w_nxt = tl.where(in_chunk, overlap(starts, (K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
         shift = w_cur
     best = tl.full([BLOCK_T, K], -1, tl.int64)
     carry = tl.zeros([BLOCK_T, K], tl.float32)
@@ -217,10 +200,11 @@ def stencil_rank(block_len: int, block_stride: int, sel_block: int) -> int:
 
 
 def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, scale: float,
-                      block_len: int, block_stride: int, sel_block: int, n_sel: int) -> torch.Tensor:
+                      geometry: NSAGeometry) -> torch.Tensor:
     """Indices [B,T,G,n_sel] (int64, ascending, -1 padded) from q, k_cmp and the compressed branch's lse."""
     B, T, H, Dk = q.shape
     NC, G = k_cmp.shape[1], k_cmp.shape[2]
+    block_len, block_stride, sel_block, n_sel, _ = geometry.as_tuple()
     h = H // G
     # The running list must hold n and each chunk must contain every block a compressed token reaches into.
     K = max(16, triton.next_power_of_2(n_sel), triton.next_power_of_2(-(-block_len // sel_block) + 1))
@@ -235,9 +219,8 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
     # padded set (the paper's h = 16 is a power of two either way).
     ha = 1 << (h.bit_length() - 1) if trans else hp
     hb = triton.next_power_of_2(h - ha) if h > ha else 0
-    # With the heads split, the two-weight stencil is also the faster Eq. 9 transposed (M7C at 64k on an H100:
-    # 1.61 ms against 2.37 with the overlap products; with the heads padded to 8 it was the slower one, 3.07 against
-    # 2.71, its sums over a block's ranks crossing lanes).
+    # With the heads split, the two-weight stencil is the cheaper Eq. 9 transposed too (with the heads padded its
+    # sums over a block's ranks would cross lanes).
     R = stencil_rank(block_len, block_stride, sel_block)
     C = max(16, triton.next_power_of_2(chunk_tokens))
     _select_kernel[grid](

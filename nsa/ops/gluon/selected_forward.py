@@ -1,10 +1,10 @@
-"""The block-centric selected forward (selected_attention._sel_fwd_partial_kernel) for Hopper GPUs, in Gluon.
+"""The block-centric selected forward (nsa.ops.triton.selected_attention.block_partials) for Hopper GPUs, in Gluon.
 
 Same contract as the Triton kernel: one program per work item of the inverse index (one key block and at most
 `Tuning.inverse_chunk` of the queries that chose it). Each of the item's (query, head) rows gets its softmax over
 the block's keys: the partial output, normalised, and its log-sum-exp (log2 units), written to the per-slot
-buffers that selected_attention's finalize kernel merges. A row sees exactly one block here, so there is no
-online softmax: one S = Q K^T and one O = P V per row step. The schedule is hopper_selected_backward.py's:
+buffers that selected_attention.finalize merges. A row sees exactly one block here, so there is no online softmax:
+one S = Q K^T and one O = P V per row step. The schedule is selected_backward.py's:
 
 - the block's keys and values arrive once by TMA;
 - each row step's queries and entries are copied by cp.async into a ring of shared-memory stages from the
@@ -12,9 +12,6 @@ online softmax: one S = Q K^T and one O = P V per row step. The schedule is hopp
   one computes;
 - S and P V run as wgmma; only the first steps (queries inside the block: entries are sorted by query) and a
   last partial step apply the causal mask.
-
-Gluon has no CPU interpreter: the Triton kernel stays the one the CPU tests check, this one is checked against it on
-the GPU (tests/test_triton_gpu.py) and compiled for sm_90 in CI (tests/test_kernel_probes.py).
 """
 
 from __future__ import annotations
@@ -26,11 +23,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E
-from .hopper_backward import row_io_layout, wgmma_layout
-from .hopper_forward import _descriptor, _is_sm90, gluon_layout_ok
-from .hopper_selected_backward import _item_block, _load_block, _masked_rows, _ring_turn, _step_entries
-from .tuning import TUNING
+from ..triton.common import LOG2E
+from ..tuning import TUNING
+from .common import (descriptor, item_block, layout_ok, load_block, masked_rows, ring_turn, row_io_layout,
+                     rows_copyable, step_entries, wgmma_layout)
 
 
 @gluon.jit
@@ -50,7 +46,7 @@ def _load_rows(Q, ENTRIES, q_smem, ent_smem, stage, f, f_ok, start, r0, rows, b,
 
 
 @gluon.jit
-def _sel_fwd_hopper(
+def _selected_forward_kernel(
     Q, k_desc, v_desc, OPART, LSEPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
     sqb, sqt, sqh, T, G, NS, scale_log2,
     n: gl.constexpr, h: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -59,7 +55,7 @@ def _sel_fwd_hopper(
     item = gl.program_id(0)
     count = gl.load(ITEM_COUNT + item)
     if count > 0:
-        start, j, bg, b32, b, g = _item_block(ITEM_KEY, ITEM_START, item, NS, G)
+        start, j, bg, b32, b, g = item_block(ITEM_KEY, ITEM_START, item, NS, G)
         dtype: gl.constexpr = k_desc.dtype
 
         s_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)  # rows x keys
@@ -74,7 +70,7 @@ def _sel_fwd_hopper(
         rows = count * h
         n_steps = gl.cdiv(rows, BLOCK_M)
         # The causal mask applies to the rows before `split` and on a last partial step.
-        split = _masked_rows(ENTRIES, start, count, bg, T, k_first, n, h, BLOCK_N, vec)
+        split = masked_rows(ENTRIES, start, count, bg, T, k_first, n, h, BLOCK_N, vec)
         full_end = (rows // BLOCK_M) * BLOCK_M
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
@@ -85,10 +81,10 @@ def _sel_fwd_hopper(
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
-        _load_block(k_desc, v_desc, kv_bar, k_smem, v_smem, b32 * T + k_first, g * D)
+        load_block(k_desc, v_desc, kv_bar, k_smem, v_smem, b32 * T + k_first, g * D)
         for i in gl.static_range(STAGES - 1):
             if i < n_steps:
-                f_ok, f = _step_entries(ENTRIES, start, i * BLOCK_M, rows, h, BLOCK_M, io_row)
+                f_ok, f = step_entries(ENTRIES, start, i * BLOCK_M, rows, h, BLOCK_M, io_row)
                 _load_rows(Q, ENTRIES, q_smem, ent_smem, i, f, f_ok, start, i * BLOCK_M, rows, b, g, bg, T,
                            sqb, sqt, sqh, n, h, D, BLOCK_M, io, vec)
             async_copy.commit_group()  # one group per step, empty or not, so wait_group counts steps
@@ -101,7 +97,7 @@ def _sel_fwd_hopper(
         for s in range(n_steps):
             r0 = s * BLOCK_M
             stage = s % STAGES
-            nxt_r0, f_ok, f = _ring_turn(ENTRIES, start, r0, rows, h, BLOCK_M, STAGES, io_row)
+            nxt_r0, f_ok, f = ring_turn(ENTRIES, start, r0, rows, h, BLOCK_M, STAGES, io_row)
             # Step s + STAGES - 1 goes into step s - 1's stage: its product and reads finished before this barrier.
             if s + STAGES - 1 < n_steps:
                 _load_rows(Q, ENTRIES, q_smem, ent_smem, (s + STAGES - 1) % STAGES, f, f_ok, start, nxt_r0, rows,
@@ -133,42 +129,26 @@ def _sel_fwd_hopper(
         mbarrier.invalidate(kv_bar)
 
 
-def hopper_selected_forward_config(d: int) -> dict:
+def config(d: int) -> dict:
     """Rows per step (a warp per 16), keys per block, stages of the rows' ring."""
-    return dict(BLOCK_M=64, BLOCK_N=64, STAGES=TUNING.hopper_selected_forward_stages, num_warps=4)
+    return dict(BLOCK_M=64, BLOCK_N=64, STAGES=TUNING.gluon_selected_forward_stages, num_warps=4)
 
 
-def hopper_selected_forward_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel_block: int) -> bool:
-    """Whether the Gluon kernel may serve this call, from the tensors' metadata alone (so also for torch.compile's
-    fake tensors, where the selected branch's path is chosen): switched on, an sm_90 GPU, bf16, Dk == Dv in
-    {64, 128}, a key tile that is exactly one selection block, and a call large enough for its GPU time to
-    outweigh its launch's host time."""
-    if not (TUNING.hopper_selected_forward and q.numel() >= TUNING.hopper_selected_forward_min_elements):
-        return False
-    if not (q.is_cuda and q.dtype == k.dtype == v.dtype == torch.bfloat16 and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())):
-        return False
-    D = q.shape[-1]
-    return D == k.shape[-1] == v.shape[-1] and D in (64, 128) and sel_block == hopper_selected_forward_config(D)[
-        "BLOCK_N"]
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel_block: int) -> bool:
+    """Whether this kernel can take the call: common.layout_ok, q's rows copyable in 16-byte pieces, and a key tile
+    that is exactly one selection block."""
+    return (layout_ok(q, k, v) and rows_copyable(q) and sel_block == config(q.shape[-1])["BLOCK_N"])
 
 
-def hopper_selected_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel_block: int) -> bool:
-    """hopper_selected_forward_eligible, and the layouts its copies need: the Gluon kernels' key/value tiles
-    (gluon_layout_ok) and q rows copyable in 16-byte pieces."""
-    if not (hopper_selected_forward_eligible(q, k, v, sel_block) and gluon_layout_ok(q, k, v)):
-        return False
-    return not (q.data_ptr() % 16 or any(s % 16 for s in q.stride()[:3]))
-
-
-def selected_forward_hopper(q, k, v, opart, lsepart, inverse, scale: float, n: int) -> None:
-    """_sel_fwd_partial_kernel's work on Hopper: every (query, slot, head)'s partial output and log-sum-exp (log2
-    units) over its block, into opart [B*G*T*n, h, D] and lsepart [B*G*T*n, h]."""
+def launch(q, k, v, inverse, opart, lsepart, scale: float, n: int) -> None:
+    """block_partials's work on Hopper: every (query, slot, head)'s partial output and log-sum-exp (log2 units) over
+    its block, into opart [B*G*T*n, h, D] and lsepart [B*G*T*n, h]."""
     B, T, H, D = q.shape
     G = k.shape[2]
     item_key, item_start, item_count, entries = inverse
-    cfg = hopper_selected_forward_config(D)
-    _sel_fwd_hopper[(item_key.numel(),)](
-        q, _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]), opart, lsepart,
+    cfg = config(D)
+    _selected_forward_kernel[(item_key.numel(),)](
+        q, descriptor(k, cfg["BLOCK_N"]), descriptor(v, cfg["BLOCK_N"]), opart, lsepart,
         item_key, item_start, item_count, entries, q.stride(0), q.stride(1), q.stride(2),
         T, G, -(-T // cfg["BLOCK_N"]), scale * LOG2E, n=n, h=H // G, D=D, **cfg,
     )

@@ -1,18 +1,14 @@
-"""query_grad's dQ kernel for Hopper GPUs, written in Gluon (see hopper_forward.py for why Gluon).
+"""The dQ kernel of every branch (nsa.ops.triton.query_grad) for Hopper GPUs, written in Gluon.
 
-Same contract as query_grad: one program per tile of (token, head) rows of a key/value group, its q and do loaded
-once into shared memory; it walks the compressed keys, the window's keys and (short sequences) the selected
+Same contract as the Triton kernel: one program per tile of (token, head) rows of a key/value group, its q and do
+loaded once into shared memory; it walks the compressed keys, the window's keys and (short sequences) the selected
 branch's causal tiles masked by the choices, each branch with its own gated lse and delta, then adds the selected
-branch's ready-made share (block-centric partials or a per-query dQ) and writes dQ once in q's dtype.
+branch's ready-made share (block-centric partials or a float32 dQ) and writes dQ once in q's dtype.
 
 Per key step, S = Q K^T and dP = dO V^T are issued together as asynchronous wgmma on keys and values that arrive
 by TMA into a ring of shared-memory stages; P is computed while dP runs, and dQ += dS K is left running while the
 next step's products are issued. The branches share the ring: a running step count gives each step its stage and
 barrier phase.
-
-Gluon has no CPU interpreter: the Triton kernel stays the one the CPU tests check against the reference, this one
-is checked against it on the GPU (tests/test_triton_gpu.py) and compiled for sm_90 in CI
-(tests/test_kernel_probes.py). `hopper_query_grad_supports` says when it applies.
 """
 
 from __future__ import annotations
@@ -23,10 +19,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from .hopper_forward import _descriptor, _key_range, _load_kv, gluon_layout_ok
-from .tuning import TUNING
-
-SEL_NONE, SEL_TILED, SEL_PARTS, SEL_DENSE = 0, 1, 2, 3  # query_grad's kinds of selected share
+from ..branches import SEL_PARTS, SEL_TILED, SelectedDQ
+from ..geometry import NSAGeometry
+from ..tuning import TUNING
+from .common import descriptor, key_range, layout_ok, load_kv
 
 
 @gluon.jit
@@ -39,7 +35,7 @@ def _branch_dq(q_smem, do_smem, k_desc, v_desc, k_smem, v_smem, bars, base, dq, 
     dtype: gl.constexpr = k_desc.dtype
     lse2 = gl.load(LSE + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = gl.load(DELTA + lse_off, mask=row_ok, other=0.0)
-    lo, hi = _key_range(t, row_ok, MODE, block_len, block_stride, window)
+    lo, hi = key_range(t, row_ok, MODE, block_len, block_stride, window)
     k_start = (gl.min(gl.where(row_ok, lo, NK), 0) // BLOCK_N) * BLOCK_N
     k_end = gl.max(hi, 0) + 1
     a = gl.max(gl.where(row_ok, lo, 0), 0)  # steps inside [a, e) are seen whole by every row
@@ -51,7 +47,7 @@ def _branch_dq(q_smem, do_smem, k_desc, v_desc, k_smem, v_smem, bars, base, dq, 
     row0 = b32 * NK + k_start
     for i in gl.static_range(STAGES - 1):
         if i < n_tiles:
-            _load_kv(k_desc, v_desc, bars, k_smem, v_smem, base + i, row0 - base * BLOCK_N, g * D, g * D, BLOCK_N,
+            load_kv(k_desc, v_desc, bars, k_smem, v_smem, base + i, row0 - base * BLOCK_N, g * D, g * D, BLOCK_N,
                      STAGES)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -67,7 +63,7 @@ def _branch_dq(q_smem, do_smem, k_desc, v_desc, k_smem, v_smem, bars, base, dq, 
         # operand may go.
         s, ds_op = warpgroup_mma_wait(1, deps=(s, ds_op))
         if i + STAGES - 1 < n_tiles:
-            _load_kv(k_desc, v_desc, bars, k_smem, v_smem, it + STAGES - 1, row0 - base * BLOCK_N, g * D, g * D,
+            load_kv(k_desc, v_desc, bars, k_smem, v_smem, it + STAGES - 1, row0 - base * BLOCK_N, g * D, g * D,
                      BLOCK_N, STAGES)
         start = k_start + i * BLOCK_N
         lse_i = lse2
@@ -85,7 +81,7 @@ def _branch_dq(q_smem, do_smem, k_desc, v_desc, k_smem, v_smem, bars, base, dq, 
 
 
 @gluon.jit
-def _query_grad_hopper(
+def _query_grad_kernel(
     Q, DO, DQ, LSE_C, DELTA_C, LSE_S, DELTA_S, LSE_W, DELTA_W, kc_desc, vc_desc, ks_desc, vs_desc, kw_desc, vw_desc,
     SEL_IDX, PARTS, DQ_SEL,
     sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdqb, sdqt, sdqh, sib, sit, sig, sdsb, sdst, sdsh,
@@ -134,7 +130,7 @@ def _query_grad_hopper(
 
     dq = gl.zeros([BLOCK_M, D], gl.float32, layout=acc_layout)
     base = pid_m * 0
-    # The branches' modes are range_attention's MODE_CMP (0), MODE_WIN (1) and MODE_SEL (2).
+    # The branches' modes are branches.MODE_CMP (0), MODE_WIN (1) and MODE_SEL (2); SEL is a SEL_* kind.
     if HAS_CMP:
         dq, base = _branch_dq(q_smem, do_smem, kc_desc, vc_desc, k_smem, v_smem, bars, base, dq, LSE_C, DELTA_C,
                               lse_off, t, row_ok, SEL_IDX, bit_off, b32, g, NC, scale_log2, block_len, block_stride,
@@ -162,49 +158,51 @@ def _query_grad_hopper(
     gl.store(DQ + (b * sdqb + tok * sdqt + hd * sdqh + d), dq.to(DQ.dtype.element_ty), mask=ok)
 
 
-def hopper_query_grad_supports(q: torch.Tensor, do: torch.Tensor, cmp: tuple | None, win: tuple | None,
-                               sel_kind: int, sel_kv: tuple | None, sel_block: int) -> bool:
-    """Whether the Gluon dQ kernel serves this call: every branch's keys and values as the Gluon forward takes
-    them (gluon_layout_ok), do like q, and for the tiled selected branch whole blocks per key step."""
-    if not (TUNING.hopper_query_grad and do.dtype == q.dtype and do.shape == q.shape and do.stride(-1) == 1):
-        return False
-    if win is None and cmp is None:
-        return False
-    if sel_kind == SEL_PARTS and q.shape[-1] > 64:  # the partials' sum beside a 128-wide dQ spills (sm_90)
-        return False
-    kvs = [x for x in (cmp, win, sel_kv if sel_kind == SEL_TILED else None) if x is not None]
-    if not all(gluon_layout_ok(q, k, v) for k, v in kvs):
-        return False
-    return sel_kind != SEL_TILED or sel_block % hopper_query_grad_config(q.shape[-1])["BLOCK_N"] == 0
-
-
-def hopper_query_grad_config(d: int) -> dict:
+def config(d: int) -> dict:
     """Rows per program (a warp per 16), keys per step, stages of the key/value ring."""
     if d <= 64:
-        return dict(BLOCK_M=TUNING.hopper_dq_block_m, BLOCK_N=64, STAGES=TUNING.hopper_dq_stages,
-                    num_warps=TUNING.hopper_dq_block_m // 16)
+        return dict(BLOCK_M=TUNING.gluon_dq_block_m, BLOCK_N=64, STAGES=TUNING.gluon_dq_stages,
+                    num_warps=TUNING.gluon_dq_block_m // 16)
     return dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)
 
 
-def query_grad_hopper(q, do, dq, lse_g, delta, scale: float, block_len: int, block_stride: int, window: int,
-                      cmp: tuple | None, win: tuple | None, sel_kind: int, sel_kv: tuple | None, choice, parts,
-                      dq_sel, n: int, sel_block: int) -> None:
-    """query_grad's kernel on Hopper, writing dq in place (arguments as query_grad's, unpacked)."""
+def supports(q: torch.Tensor, do: torch.Tensor, cmp: tuple | None, win: tuple | None, sel: SelectedDQ,
+             sel_block: int) -> bool:
+    """Whether this kernel can take the call: every branch's keys and values as common.layout_ok takes them, do
+    like q, at least one span branch, block-centric partials only at head dims up to 64 (their sum beside a
+    128-wide dQ spills on sm_90), and for the tiled selected branch whole blocks per key step."""
+    if not (do.dtype == q.dtype and do.shape == q.shape and do.stride(-1) == 1) or (win is None and cmp is None):
+        return False
+    if sel.kind == SEL_PARTS and q.shape[-1] > 64:
+        return False
+    kvs = [x for x in (cmp, win, (sel.k, sel.v) if sel.kind == SEL_TILED else None) if x is not None]
+    if not all(layout_ok(q, k, v) for k, v in kvs):
+        return False
+    return sel.kind != SEL_TILED or sel_block % config(q.shape[-1])["BLOCK_N"] == 0
+
+
+def launch(q, do, dq, lse_g, delta, scale: float, geometry: NSAGeometry, cmp: tuple | None, win: tuple | None,
+           sel: SelectedDQ) -> None:
+    """dQ into dq (arguments as nsa.ops.triton.query_grad.launch's)."""
     B, T, H, D = q.shape
-    cfg = hopper_query_grad_config(D)
+    cfg = config(D)
+    sel_kv = (sel.k, sel.v) if sel.kind == SEL_TILED else None
     present = next(x for x in (win, cmp, sel_kv) if x is not None)
     kc, vc = cmp if cmp is not None else present
     kw, vw = win if win is not None else present
-    ks, vs = sel_kv if sel_kind == SEL_TILED else present
+    ks, vs = sel_kv if sel_kv is not None else present
     G = kw.shape[2]
     h = H // G
-    desc = [_descriptor(x, cfg["BLOCK_N"]) for x in (kc, vc, ks, vs, kw, vw)]
+    n = sel.choice.shape[-1] if sel.kind == SEL_PARTS else 1
+    desc = [descriptor(x, cfg["BLOCK_N"]) for x in (kc, vc, ks, vs, kw, vw)]
     strides3 = lambda x: tuple(x.stride()[:3]) if x is not None else (0, 0, 0)  # noqa: E731
-    _query_grad_hopper[(-(-T * h // cfg["BLOCK_M"]), B * G)](
+    _query_grad_kernel[(-(-T * h // cfg["BLOCK_M"]), B * G)](
         q, do, dq, lse_g[0], delta[0], lse_g[1], delta[1], lse_g[2], delta[2], *desc,
-        choice if choice is not None else q, parts if parts is not None else q, dq_sel if dq_sel is not None else q,
-        *q.stride()[:3], *do.stride()[:3], *lse_g.stride()[1:3], *dq.stride()[:3], *strides3(choice),
-        *strides3(dq_sel), T, kc.shape[1] if cmp is not None else 0, G, n, scale * 1.4426950408889634, scale,
-        block_len, block_stride, window, max(sel_block, 1), h=h, HAS_CMP=cmp is not None, HAS_WIN=win is not None,
-        SEL=sel_kind, NP=max(1, 1 << (n - 1).bit_length()), D=D, **cfg,
+        sel.choice if sel.choice is not None else q, sel.parts if sel.parts is not None else q,
+        sel.dq if sel.dq is not None else q,
+        *q.stride()[:3], *do.stride()[:3], *lse_g.stride()[1:3], *dq.stride()[:3], *strides3(sel.choice),
+        *strides3(sel.dq), T, kc.shape[1] if cmp is not None else 0, G, n, scale * 1.4426950408889634, scale,
+        geometry.block_len, geometry.block_stride, geometry.window, geometry.sel_block, h=h,
+        HAS_CMP=cmp is not None, HAS_WIN=win is not None, SEL=sel.kind, NP=max(1, 1 << (n - 1).bit_length()), D=D,
+        **cfg,
     )

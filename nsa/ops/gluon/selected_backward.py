@@ -1,11 +1,11 @@
-"""The block-centric selected backward (selected_attention._sel_bwd_kernel) for Hopper GPUs, written in Gluon.
+"""The block-centric selected backward (nsa.ops.triton.selected_attention.block_backward) for Hopper GPUs, in Gluon.
 
 Same contract as the Triton kernel: one program per work item of the inverse index (one key block and at most
 `Tuning.inverse_chunk` of the queries that chose it), accumulating the block's dK/dV over the item's
 (query, head) rows and adding them atomically; with WRITE_DQ it also writes each row's dQ share to the
-per-slot buffer query_grad sums, or with DQ_ADD adds it into a float32 dQ [B,T,H,D] (relaxed atomics: the items
-of one query range run together, so the rows they add to stay in the L2 cache). The schedule is
-hopper_backward.py's, with gathered rows:
+per-slot buffer the dQ kernel sums, or with DQ_ADD adds it into a float32 dQ [B,T,H,D] (relaxed atomics: the items
+of one query range run together, so the rows they add to stay in the L2 cache). The schedule is backward.py's,
+with gathered rows:
 
 - the block's keys and values arrive once by TMA;
 - each row step's queries, output gradients, lse, delta and entries are copied into a ring of shared-memory
@@ -16,9 +16,7 @@ hopper_backward.py's, with gathered rows:
   dK += dS^T Q after it; for dQ, dS^T goes through shared memory into dQ = dS K.
 
 Only the first steps of an item hold queries inside its own block (entries are sorted by query), so only those
-steps, and a last partial step, apply a mask. Gluon has no CPU interpreter: the Triton kernel stays the one the
-CPU tests check, this one is checked against it on the GPU (tests/test_triton_gpu.py) and compiled for sm_90 in CI
-(tests/test_kernel_probes.py).
+steps, and a last partial step, apply a mask.
 """
 
 from __future__ import annotations
@@ -27,63 +25,13 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import LOG2E
-from .hopper_backward import (_store_grad, hopper_backward_config, hopper_backward_supports,
-                              row_io_layout, wgmma_layout)
-from .hopper_forward import _descriptor
-from .tuning import TUNING
-
-
-@gluon.jit
-def _item_block(ITEM_KEY, ITEM_START, item, NS, G):
-    """(first entry, block j, b * G + g, b (32-bit, for TMA coordinates), b (64-bit, for pointers), g) of an item."""
-    key_id = gl.load(ITEM_KEY + item)  # (b * G + g) * NS + j
-    bg = key_id // NS
-    b32 = bg // G
-    return gl.load(ITEM_START + item), key_id % NS, bg, b32, b32.to(gl.int64), bg % G
-
-
-@gluon.jit
-def _masked_rows(ENTRIES, start, count, bg, T, k_first, n: gl.constexpr, h: gl.constexpr, BLOCK_N: gl.constexpr,
-                 layout: gl.constexpr):
-    """The item's rows before which the causal mask applies: those of its queries inside the block (fewer than
-    BLOCK_N of them, first in the entries, which are sorted by query); every later row sees the whole block."""
-    e = gl.arange(0, BLOCK_N, layout=layout)
-    t_first = gl.load(ENTRIES + start + e, mask=e < count, other=0) // n - bg * T
-    return gl.sum(((e < count) & (t_first < k_first + BLOCK_N - 1)).to(gl.int32), 0) * h
-
-
-@gluon.jit
-def _load_block(k_desc, v_desc, bar, k_smem, v_smem, row, col):
-    """The item's key and value block by TMA, arriving on bar."""
-    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_smem)
-
-
-@gluon.jit
-def _step_entries(ENTRIES, start, r0, rows, h: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """(row ok, flat entry f) of the item's rows [r0, r0 + BLOCK_M); rows are (entry, head), entry-major."""
-    r = r0 + gl.arange(0, BLOCK_M, layout=layout)
-    ok = r < rows
-    return ok, gl.load(ENTRIES + start + r // h, mask=ok, other=0)
-
-
-@gluon.jit
-def _ring_turn(ENTRIES, start, r0, rows, h: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               layout: gl.constexpr):
-    """The ring's turn at the row step starting at r0: (first row, row ok, entry) of step s + STAGES - 1, whose
-    copies the caller issues next, read before waiting for step s's copies so that their latency hides behind
-    the wait; then the wait, and a barrier after which step s - 1's stage is free."""
-    nxt_r0 = r0 + (STAGES - 1) * BLOCK_M
-    f_ok, f = _step_entries(ENTRIES, start, nxt_r0, rows, h, BLOCK_M, layout)
-    async_copy.wait_group(STAGES - 2)
-    fence_async_shared()
-    gl.thread_barrier()
-    return nxt_r0, f_ok, f
+from ..triton.common import LOG2E
+from . import backward
+from .common import (descriptor, item_block, load_block, masked_rows, ring_turn, row_io_layout, step_entries,
+                     store_grad, wgmma_layout)
 
 
 @gluon.jit
@@ -112,16 +60,15 @@ def _load_step(Q, DO, LSE, DELTA, ENTRIES, q_smem, do_smem, lse_smem, delta_smem
 @gluon.constexpr_function
 def band_add_layout(num_warps, d):
     """Row-major float32 [rows, d] tiles in 16-byte pieces (four-wide atomic adds) in which each warp holds the
-    16-row bands of the wgmma result it computed, so converting dQ to it needs no block-wide barrier.
-    At M7C 32k x 2 this kernel ran 2.02-2.04 ms against 2.07-2.12 with add_io_layout's bands across warps
-    (benchmarks/selected_backward_variants.py, thirty-third session); 8, 2 or 1 rows a thread were slower."""
+    16-row bands of the wgmma result it computed, so converting dQ to it needs no block-wide barrier (as
+    common.add_io_layout's bands across warps would)."""
     col_lanes = min(8, d // 4)
     row_lanes = 32 // col_lanes
     return gl.BlockedLayout([16 // row_lanes, 4], [row_lanes, col_lanes], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
-def _sel_bwd_hopper(
+def _selected_backward_kernel(
     Q, DO, k_desc, v_desc, LSE, DELTA, DKo, DVo, DQPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
     sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
     T, G, NS, scale_log2, scale,
@@ -132,10 +79,10 @@ def _sel_bwd_hopper(
     item = gl.program_id(0)
     count = gl.load(ITEM_COUNT + item)
     if count > 0:
-        start, j, bg, b32, b, g = _item_block(ITEM_KEY, ITEM_START, item, NS, G)
+        start, j, bg, b32, b, g = item_block(ITEM_KEY, ITEM_START, item, NS, G)
         dtype: gl.constexpr = k_desc.dtype
 
-        st_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)  # keys x rows, as hopper_backward's
+        st_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)  # keys x rows, as backward.py's
         acc_layout: gl.constexpr = wgmma_layout(num_warps, D)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         io: gl.constexpr = row_io_layout(num_warps, D)
@@ -147,7 +94,7 @@ def _sel_bwd_hopper(
         rows = count * h
         n_steps = gl.cdiv(rows, BLOCK_M)
         # The causal mask applies to the rows before `split` and on a last partial step.
-        split = _masked_rows(ENTRIES, start, count, bg, T, k_first, n, h, BLOCK_N, vec)
+        split = masked_rows(ENTRIES, start, count, bg, T, k_first, n, h, BLOCK_N, vec)
         full_end = (rows // BLOCK_M) * BLOCK_M
 
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_desc.layout)
@@ -164,10 +111,10 @@ def _sel_bwd_hopper(
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
-        _load_block(k_desc, v_desc, kv_bar, k_smem, v_smem, b32 * T + k_first, g * D)
+        load_block(k_desc, v_desc, kv_bar, k_smem, v_smem, b32 * T + k_first, g * D)
         for i in gl.static_range(STAGES - 1):
             if i < n_steps:
-                f_ok, f = _step_entries(ENTRIES, start, i * BLOCK_M, rows, h, BLOCK_M, io_row)
+                f_ok, f = step_entries(ENTRIES, start, i * BLOCK_M, rows, h, BLOCK_M, io_row)
                 _load_step(Q, DO, LSE, DELTA, ENTRIES, q_smem, do_smem, lse_smem, delta_smem, ent_smem, i, f, f_ok,
                            start, i * BLOCK_M, rows, b, g, bg, T, sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, n, h, D,
                            BLOCK_M, io, vec)
@@ -181,7 +128,7 @@ def _sel_bwd_hopper(
         for s in range(n_steps):
             r0 = s * BLOCK_M
             stage = s % STAGES
-            nxt_r0, f_ok, f = _ring_turn(ENTRIES, start, r0, rows, h, BLOCK_M, STAGES, io_row)
+            nxt_r0, f_ok, f = ring_turn(ENTRIES, start, r0, rows, h, BLOCK_M, STAGES, io_row)
             # Step s + STAGES - 1 goes into step s - 1's stage: its products were awaited before this barrier.
             if s + STAGES - 1 < n_steps:
                 _load_step(Q, DO, LSE, DELTA, ENTRIES, q_smem, do_smem, lse_smem, delta_smem, ent_smem,
@@ -236,40 +183,38 @@ def _sel_bwd_hopper(
                 dv_acc, dk_acc, pt_op, ds_op = warpgroup_mma_wait(0, deps=(dv_acc, dk_acc, pt_op, ds_op))
         async_copy.wait_group(0)
         mbarrier.invalidate(kv_bar)
-        if PARTIALS:  # deterministic mode: the item's own [BLOCK_N, D] slot (selected_attention sums the slots)
+        if PARTIALS:  # deterministic mode: the item's own [BLOCK_N, D] slot (summed by sum_item_partials)
             slot = item.to(gl.int64) * (BLOCK_N * D)
-            _store_grad(DKo + slot, dk_acc * scale, 0, 0, 0, BLOCK_N, 0, D, 0, D, BLOCK_N, False, num_warps)
-            _store_grad(DVo + slot, dv_acc, 0, 0, 0, BLOCK_N, 0, D, 0, D, BLOCK_N, False, num_warps)
+            store_grad(DKo + slot, dk_acc * scale, 0, 0, 0, BLOCK_N, 0, D, 0, D, BLOCK_N, False, num_warps)
+            store_grad(DVo + slot, dv_acc, 0, 0, 0, BLOCK_N, 0, D, 0, D, BLOCK_N, False, num_warps)
         else:
             # Blocks chosen by more queries than one item holds have several items: relaxed float32 atomics.
-            _store_grad(DKo, dk_acc * scale, b, g, k_first, T, sdkb, sdkt, sdkg, D, BLOCK_N, True, num_warps)
-            _store_grad(DVo, dv_acc, b, g, k_first, T, sdvb, sdvt, sdvg, D, BLOCK_N, True, num_warps)
+            store_grad(DKo, dk_acc * scale, b, g, k_first, T, sdkb, sdkt, sdkg, D, BLOCK_N, True, num_warps)
+            store_grad(DVo, dv_acc, b, g, k_first, T, sdvb, sdvt, sdvg, D, BLOCK_N, True, num_warps)
 
 
-def hopper_selected_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                                      sel_block: int, write_dq: bool) -> bool:
-    """Whether the Gluon kernel serves this call: hopper_backward's conditions, a call large enough for its GPU time
-    to outweigh its launch's host time, a key tile that is exactly one selection block, and for dQ shares a head
-    dim of at most 64 (registers)."""
-    if not (TUNING.hopper_selected_backward and q.numel() >= TUNING.hopper_selected_backward_min_elements):
-        return False
-    if not hopper_backward_supports(q, k, v, do, 0, sel_block):
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, sel_block: int,
+             write_dq: bool) -> bool:
+    """Whether this kernel can take the call: backward.supports's conditions, a key tile that is exactly one
+    selection block, and for dQ shares a head dim of at most 64 (registers)."""
+    if not backward.supports(q, k, v, do, 0, sel_block):
         return False
     D = q.shape[-1]
-    return sel_block == hopper_backward_config(D)["BLOCK_N"] and (D <= 64 or not write_dq)
+    return sel_block == backward.config(D)["BLOCK_N"] and (D <= 64 or not write_dq)
 
 
-def selected_backward_hopper(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, inverse, scale: float, n: int,
-                             write_dq: bool, partials: bool = False, dq_add: bool = False) -> None:
-    """_sel_bwd_kernel's work on Hopper: adds the blocks' dK/dV into dk_out/dv_out (float32, zeroed), or with
-    `partials` writes each item's to its slot of dk_out/dv_out [items, BLOCK_N, D]; with write_dq, writes the rows'
-    dQ shares into dqpart, or with dq_add adds them into dqpart as a float32 [B,T,H,D] dQ (zeroed)."""
+def launch(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, inverse, scale: float, n: int, write_dq: bool,
+           partials: bool = False, dq_add: bool = False) -> None:
+    """block_backward's work on Hopper (tiles: backward.config): adds the blocks' dK/dV into dk_out/dv_out (float32,
+    zeroed), or with `partials` writes each item's to its slot of dk_out/dv_out [items, BLOCK_N, D]; with write_dq,
+    writes the rows' dQ shares into dqpart, or with dq_add adds them into dqpart as a float32 [B,T,H,D] dQ
+    (zeroed)."""
     B, T, H, D = q.shape
     G = k.shape[2]
     item_key, item_start, item_count, entries = inverse
-    cfg = hopper_backward_config(D)
-    _sel_bwd_hopper[(item_key.numel(),)](
-        q, do, _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]), lse, delta, dk_out, dv_out, dqpart,
+    cfg = backward.config(D)
+    _selected_backward_kernel[(item_key.numel(),)](
+        q, do, descriptor(k, cfg["BLOCK_N"]), descriptor(v, cfg["BLOCK_N"]), lse, delta, dk_out, dv_out, dqpart,
         item_key, item_start, item_count, entries,
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
         dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),

@@ -1,58 +1,31 @@
-"""range_attention's forward for Hopper GPUs, written in Gluon (Triton's explicitly scheduled dialect).
+"""The span forward (compressed, window and tiled selected branches, and the gated sum) for Hopper GPUs, in Gluon.
 
-Same contract as range_attention_fwd for the compressed, window and tiled selected branches (and the
-gated sum): on an H100 at head dim 64, Triton's own kernel keeps the tensor cores ~28% busy against
-cuDNN's ~45% (benchmarks/RESULTS.md, fifteenth session). Here the schedule is explicit:
+Same contract as nsa.ops.triton.span_attention.forward. The Triton kernel leaves the tensor cores idle much of the
+time at head dim 64; here the schedule is explicit:
 
-- one program per tile of (token, head) rows of a key/value group, as range_attention packs them: its
-  queries are loaded once into shared memory, the group's keys and values of the next steps arrive by
-  TMA into a ring of shared-memory stages guarded by mbarriers;
-- S = Q K^T and O += P V run as asynchronous wgmma; step i's S is issued before step i-1's P V, and
-  that product is awaited only after step i's softmax, so the tensor cores and the softmax overlap;
-- ~130-180 registers (sm_90) instead of 255, so three programs share an SM.
+- one program per tile of (token, head) rows of a key/value group, packed as the Triton span kernels pack them: its
+  queries are loaded once into shared memory, the group's keys and values of the next steps arrive by TMA into a
+  ring of shared-memory stages guarded by mbarriers;
+- S = Q K^T and O += P V run as asynchronous wgmma; step i's S is issued before step i-1's P V, and that product is
+  awaited only after step i's softmax, so the tensor cores and the softmax overlap;
+- few enough registers (sm_90) for three programs to share an SM.
 
-Measured against the Triton kernel on an H100 as GPU time (benchmarks/hopper_ab.py --graphs): 1.27x on
-M7C's tiled selected branch at 2k, 1.21x on its window branch and 1.04-1.14x on its compressed branch at
-every length, 1.02-1.22x on the paper shape's. A launch costs more host time than Triton's (it builds TMA
-descriptors), which only calls of ~0.1 ms run back to back expose.
-
-Gluon has no CPU interpreter: the Triton kernel stays the reference the CPU tests check, this one is
-checked against it and the reference on the GPU (tests/test_triton_gpu.py) and compiled for sm_90 in CI
-(tests/test_kernel_probes.py). `hopper_forward_supports` says when it applies; otherwise callers use
-the Triton kernel. hopper_backward.py and hopper_query_grad.py are the backward's kernels built the same way.
+A launch costs more host time than Triton's (it builds TMA descriptors), which only short calls run back to back
+expose. backward.py and query_grad.py are the backward's kernels built the same way.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import LOG2E
-from .tuning import TUNING
-
-_DTYPES = {torch.bfloat16: gl.bfloat16}
-"""Input types it serves: bf16, the one its GPU tests check (float16 takes the Triton kernel)."""
-
-
-@gluon.jit
-def _key_range(t, row_ok, MODE: gl.constexpr, block_len, block_stride, window):
-    """First and last key each query token t sees (range_attention._key_range; rows past the end see none)."""
-    if MODE == 0:
-        lo = t * 0
-        hi = gl.where(t >= block_len - 1, gl.maximum(t - block_len + 1, 0) // block_stride, -1)
-    elif MODE == 1:
-        lo = gl.maximum(t - window + 1, 0)
-        hi = t
-    else:
-        lo = t * 0
-        hi = t
-    return lo, gl.where(row_ok, hi, -1)
+from ..geometry import NSAGeometry
+from ..triton.common import LOG2E
+from ..tuning import TUNING
+from .common import descriptor, key_range, layout_ok, load_kv
 
 
 @gluon.jit
@@ -79,16 +52,7 @@ def _tile_scores(s, start, lo, hi, bits, cols, scale_log2, m_i, l_i, sel_block, 
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, bars, k_smem, v_smem, i, row0, col_k, col_v, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr):
-    stage = i % STAGES
-    mbarrier.expect(bars.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, col_k], bars.index(stage), k_smem.index(stage))
-    tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, col_v], bars.index(stage), v_smem.index(stage))
-
-
-@gluon.jit
-def _range_fwd_hopper(
+def _span_forward_kernel(
     Q, k_desc, v_desc, O, LSE, BITS, O_CMP, O_WIN, GATES, OUT,
     sqb, sqt, sqh, sob, sot, soh, slb, slt, sbb, sbt, sbg, sgb, sgt, sgh,
     T, NK, G, scale_log2, block_len, block_stride, window, sel_block,
@@ -109,15 +73,15 @@ def _range_fwd_hopper(
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # Rows are (token, head) pairs of one key/value group, row r <-> token r // h, head r % h (range_attention's
-    # packing): every key/value tile serves the group's h heads.
+    # Rows are (token, head) pairs of one key/value group, row r <-> token r // h, head r % h (the Triton span
+    # kernels' packing): every key/value tile serves the group's h heads.
     io: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DV // 8), DV // 8], [num_warps, 1], [1, 0])
     qio: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DK // 8), DK // 8], [num_warps, 1], [1, 0])
 
     rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
     row_ok = rows < T * h
     t = rows // h
-    lo, hi = _key_range(t, row_ok, MODE, block_len, block_stride, window)
+    lo, hi = key_range(t, row_ok, MODE, block_len, block_stride, window)
     # The program's keys: from the first token's first key to the last token's last one.
     k_start = (gl.min(gl.where(row_ok, lo, NK), 0) // BLOCK_N) * BLOCK_N
     k_end = gl.max(hi, 0) + 1
@@ -147,7 +111,7 @@ def _range_fwd_hopper(
     row0 = b32 * NK + k_start
     for i in gl.static_range(STAGES - 1):
         if i < n_tiles:
-            _load_kv(k_desc, v_desc, bars, k_smem, v_smem, i, row0, g * DK, g * DV, BLOCK_N, STAGES)
+            load_kv(k_desc, v_desc, bars, k_smem, v_smem, i, row0, g * DK, g * DV, BLOCK_N, STAGES)
 
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
@@ -165,7 +129,7 @@ def _range_fwd_hopper(
     for i in range(1, n_tiles):
         # Step i + STAGES - 2 goes into step i - 2's stage, free since its P V was awaited last step.
         if i + STAGES - 2 < n_tiles:
-            _load_kv(k_desc, v_desc, bars, k_smem, v_smem, i + STAGES - 2, row0, g * DK, g * DV, BLOCK_N, STAGES)
+            load_kv(k_desc, v_desc, bars, k_smem, v_smem, i + STAGES - 2, row0, g * DK, g * DV, BLOCK_N, STAGES)
         stage = i % STAGES
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
         s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -209,68 +173,33 @@ def _range_fwd_hopper(
         gl.store(OUT + o_off, total.to(dtype), mask=ok)
 
 
-def gluon_layout_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the Gluon kernels can take these tensors: an sm_90 GPU, bf16, head dims 64 or 128 with Dk == Dv,
-    and keys and values whose tokens are rows of one stride (TMA tiles)."""
-    if not (q.is_cuda and q.dtype in _DTYPES and k.dtype == q.dtype == v.dtype):
-        return False
-    if not _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device()):
-        return False
-    B, T, H, Dk = q.shape
-    NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    if Dk != Dv or Dk not in (64, 128) or NK == 0 or H % G or q.stride(-1) != 1:
-        return False
-    # Keys and values are often views into the model's wider key/value projection: tokens one stride apart.
-    return all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and (x.stride(1) * x.element_size()) % 16 == 0
-               and (B == 1 or x.stride(0) == x.shape[1] * x.stride(1)) and x.data_ptr() % 16 == 0 for x in (k, v))
-
-
-def hopper_forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
-    """Whether the Gluon forward serves this call: gluon_layout_ok, and for the selected branch whole blocks per
-    key step. (Timed as GPU work it is faster on every branch at every length measured, 2k to 64k.)"""
-    if not (TUNING.hopper_forward and gluon_layout_ok(q, k, v)):
-        return False
-    return mode != 2 or sel_block % _config(q.shape[-1])["BLOCK_N"] == 0
-
-
-def _config(d: int) -> dict:
+def config(d: int) -> dict:
     """Rows ((token, head) pairs) and keys per step, stages of the key/value ring, warps."""
-    if d <= 64:  # a warp per 16 rows: 128 rows on 4 warps spill (compiled for sm_90), on 8 they need ~140 registers
-        rows = TUNING.hopper_block_m
-        return dict(BLOCK_M=rows, BLOCK_N=64, STAGES=TUNING.hopper_stages, num_warps=max(4, rows // 16))
+    if d <= 64:  # a warp per 16 rows: 128 rows on 4 warps spill (compiled for sm_90), on 8 they need more registers
+        rows = TUNING.gluon_block_m
+        return dict(BLOCK_M=rows, BLOCK_N=64, STAGES=TUNING.gluon_stages, num_warps=max(4, rows // 16))
     return dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)
 
 
-@functools.lru_cache(maxsize=None)
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
+    """Whether this kernel can take the call: common.layout_ok, and for the selected branch whole blocks per key
+    step."""
+    return layout_ok(q, k, v) and (mode != 2 or sel_block % config(q.shape[-1])["BLOCK_N"] == 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _tile_layout(rows: int, d: int, dtype: torch.dtype):
-    """The shared-memory layout of a [rows, d] TMA tile (built once: ~6 us of host time per call otherwise)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, d], _DTYPES[dtype])
-
-
-def _descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """x [B,N,G,D] as TMA tiles of `rows` tokens x one group's D columns: a [B*N, G*D] matrix whose rows (tokens)
-    lie x.stride(1) apart (hopper_forward_supports checked the layout)."""
-    B, N, G, D = x.shape
-    return TensorDescriptor(x, [B * N, G * D], [x.stride(1), 1], [rows, D], _tile_layout(rows, D, x.dtype))
-
-
-def range_attention_fwd_hopper(q, k, v, o, lse, mode: int, scale: float, block_len: int, block_stride: int,
-                               window: int, bits, bit_strides: tuple, sel_block: int, gated, out) -> None:
-    """range_attention_fwd's kernel on Hopper, writing o, lse (and out = the gated sum, with gated) in place."""
+def launch(q, k, v, o, lse, mode: int, scale: float, geometry: NSAGeometry, bits, bit_strides: tuple, gated,
+           out) -> None:
+    """The span forward into o and lse (and out = the gated sum, with gated = (o_cmp, o_win, gates)); bits and
+    bit_strides as span_attention.selection_args gives them."""
     B, T, H, D = q.shape
     NK, G = k.shape[1], k.shape[2]
-    cfg = _config(D)
+    cfg = config(D)
     o_cmp, o_win, gates = gated if gated is not None else (o, o, lse)
     gate_strides = gates.stride()[:3] if gated is not None else (0, 0, 0)
     grid = (-(-T * (H // G) // cfg["BLOCK_M"]), B * G)
-    _range_fwd_hopper[grid](
-        q, _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]), o, lse, bits, o_cmp, o_win, gates, out,
+    _span_forward_kernel[grid](
+        q, descriptor(k, cfg["BLOCK_N"]), descriptor(v, cfg["BLOCK_N"]), o, lse, bits, o_cmp, o_win, gates, out,
         q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        *bit_strides, *gate_strides, T, NK, G, scale * LOG2E, block_len, block_stride, window, max(sel_block, 1),
-        h=H // G, MODE=mode, DK=D, DV=D, GATED=gated is not None, **cfg,
+        *bit_strides, *gate_strides, T, NK, G, scale * LOG2E, geometry.block_len, geometry.block_stride,
+        geometry.window, geometry.sel_block, h=H // G, MODE=mode, DK=D, DV=D, GATED=gated is not None, **cfg,
     )

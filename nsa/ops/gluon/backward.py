@@ -1,9 +1,8 @@
-"""range_attention's dK/dV kernel for Hopper GPUs, written in Gluon (see hopper_forward.py for why Gluon).
+"""The span dK/dV kernel (compressed, window and tiled selected branches) for Hopper GPUs, written in Gluon.
 
-Same contract as range_attention_dkdv for the compressed, window and tiled selected branches: one program per
-tile of keys (and split of the rows that see it), looping over the (token, head) rows of the key/value group
-that see the tile. On an H100 at M7C's shape, Triton's kernel sits at 255 registers with spills and keeps the
-tensor cores 30-37% busy, cuDNN's backward ~43% (benchmarks/RESULTS.md, fifteenth session). Here:
+Same contract as nsa.ops.triton.span_attention.dkdv: one program per tile of keys (and split of the rows that see
+it), looping over the (token, head) rows of the key/value group that see the tile. Triton's kernel spills at head
+dim 64 and leaves the tensor cores idle much of the time. Here:
 
 - the key and value tiles arrive once by TMA; each row step's queries and output gradients are copied into a
   ring of shared-memory stages by cp.async (a row step starts mid-token when h is not a power of two, which a
@@ -12,10 +11,6 @@ tensor cores 30-37% busy, cuDNN's backward ~43% (benchmarks/RESULTS.md, fifteent
   while dP^T is still running, dV += P^T dO is issued before dS^T = P^T (dP^T - delta) is formed, and
   dK += dS^T Q after it;
 - the tiles' scores stay in registers (wgmma's register A operand), never in shared memory.
-
-Gluon has no CPU interpreter: the Triton kernel stays the one the CPU tests check against the reference, this
-one is checked against it on the GPU (tests/test_triton_gpu.py) and compiled for sm_90 in CI
-(tests/test_kernel_probes.py). `hopper_backward_supports` says when it applies.
 """
 
 from __future__ import annotations
@@ -27,33 +22,15 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .hopper_forward import _descriptor, gluon_layout_ok
-from .tuning import TUNING
-
-
-@gluon.constexpr_function
-def wgmma_layout(num_warps, n):
-    """The layout of a wgmma result with n columns. In the transposed dK/dV products keys are its rows (a warp per
-    16 keys) and a step's (token, head) rows its columns."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
-
-
-@gluon.constexpr_function
-def row_io_layout(num_warps, d):
-    """Row-major [rows, d] tiles in 16-byte pieces: the rows' copies into shared memory and the gradients' stores."""
-    return gl.BlockedLayout([1, 8], [32 // (d // 8), d // 8], [num_warps, 1], [1, 0])
-
-
-@gluon.constexpr_function
-def add_io_layout(num_warps, d):
-    """Row-major float32 [rows, d] tiles in 16-byte pieces (four-wide atomic adds): the gradients' adds."""
-    return gl.BlockedLayout([1, 4], [32 // (d // 4), d // 4], [num_warps, 1], [1, 0])
+from ..geometry import NSAGeometry
+from ..tuning import TUNING
+from .common import descriptor, layout_ok, row_io_layout, rows_copyable, store_grad, wgmma_layout
 
 
 @gluon.jit
 def _rows_seeing(k_first, NK, T, MODE: gl.constexpr, BLOCK_N: gl.constexpr, block_len, block_stride, window):
-    """Tokens that see any key of the tile [t_lo, t_hi] and those that see all of them [f_lo, f_hi]
-    (range_attention._range_bwd_dkdv_kernel's bounds)."""
+    """Tokens that see any key of the tile [t_lo, t_hi] and those that see all of them [f_lo, f_hi] (the Triton
+    span dK/dV kernel's bounds)."""
     k_last = gl.minimum(NK - 1, k_first + BLOCK_N - 1)
     if MODE == 0:
         t_lo = k_first * block_stride + block_len - 1
@@ -91,7 +68,7 @@ def _load_rows(Q, DO, q_smem, do_smem, stage, r0, split_hi, b, g, sqb, sqt, sqh,
 def _load_stats(LSE, DELTA, BITS, lse_smem, delta_smem, bits_smem, stage, r0, split_hi, b, g, slb, slt, sbb, sbt,
                 sbg, h: gl.constexpr, MODE: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
     """cp.async of a row step's log-sum-exp, delta (and chosen bits) into a ring stage: held in registers for the
-    next step they would take ~100 (the products' column layout replicates them across a warp's lanes)."""
+    next step they would take many (the products' column layout replicates them across a warp's lanes)."""
     r = r0 + gl.arange(0, BLOCK_M, layout=layout)
     ok = r < split_hi
     t = (r // h).to(gl.int64)
@@ -116,7 +93,8 @@ def _step_stats(lse_smem, delta_smem, bits_smem, stage, k_first, sel_block, MODE
 
 @gluon.jit
 def _sees(key, t, row_ok, MODE: gl.constexpr, NK, block_len, block_stride, window):
-    """[keys, rows]: whether query token t sees key `key` (range_attention._sees), false outside both ranges."""
+    """[keys, rows]: whether query token t sees key `key` (as in the Triton span dK/dV kernel), false outside both
+    ranges."""
     if MODE == 0:
         first = gl.where(key < NK, key * block_stride + block_len - 1, 2147483647)  # the first query that sees it
         return first[:, None] <= gl.where(row_ok, t, -1)[None, :]
@@ -127,24 +105,7 @@ def _sees(key, t, row_ok, MODE: gl.constexpr, NK, block_len, block_stride, windo
 
 
 @gluon.jit
-def _store_grad(OUT, acc, b, g, key0, NK, sb, st, sg, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                ATOMIC: gl.constexpr, num_warps: gl.constexpr):
-    """dK or dV of the tile: stored in OUT's type, or added (float32) with relaxed atomics where several splits
-    share keys."""
-    out_l: gl.constexpr = add_io_layout(num_warps, D)
-    acc = gl.convert_layout(acc, out_l)
-    key = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_l))
-    d = gl.arange(0, D, layout=gl.SliceLayout(0, out_l))
-    ptr = OUT + (b * sb + g * sg + key.to(gl.int64)[:, None] * st + d[None, :])
-    ok = (key < NK)[:, None]
-    if ATOMIC:
-        gl.atomic_add(ptr, acc, mask=ok, sem="relaxed")
-    else:
-        gl.store(ptr, acc.to(OUT.dtype.element_ty), mask=ok)
-
-
-@gluon.jit
-def _range_dkdv_hopper(
+def _span_dkdv_kernel(
     Q, DO, k_desc, v_desc, LSE, DELTA, DKo, DVo, BITS,
     sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sdks, sdvs, sbb, sbt, sbg,
     T, NK, G, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
@@ -246,53 +207,44 @@ def _range_dkdv_hopper(
 
     if ATOMIC:  # several splits add into the same keys (zero-initialised); a split without rows adds nothing
         if row_start < split_hi:
-            _store_grad(DKo, dk_acc * scale, b, g, k_first, NK, sdkb, sdkt, sdkg, D, BLOCK_N, True, num_warps)
-            _store_grad(DVo, dv_acc, b, g, k_first, NK, sdvb, sdvt, sdvg, D, BLOCK_N, True, num_warps)
+            store_grad(DKo, dk_acc * scale, b, g, k_first, NK, sdkb, sdkt, sdkg, D, BLOCK_N, True, num_warps)
+            store_grad(DVo, dv_acc, b, g, k_first, NK, sdvb, sdvt, sdvg, D, BLOCK_N, True, num_warps)
     else:
-        _store_grad(DKo, dk_acc * scale, b, g, k_first, NK, sdkb, sdkt, sdkg, D, BLOCK_N, False, num_warps)
-        _store_grad(DVo, dv_acc, b, g, k_first, NK, sdvb, sdvt, sdvg, D, BLOCK_N, False, num_warps)
+        store_grad(DKo, dk_acc * scale, b, g, k_first, NK, sdkb, sdkt, sdkg, D, BLOCK_N, False, num_warps)
+        store_grad(DVo, dv_acc, b, g, k_first, NK, sdvb, sdvt, sdvg, D, BLOCK_N, False, num_warps)
 
 
-def hopper_backward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, mode: int,
-                             sel_block: int) -> bool:
-    """Whether the Gluon dK/dV kernel serves this call: hopper_forward's conditions (sm_90, bf16, Dk == Dv in
-    {64, 128}, keys and values as TMA tiles), do's rows 16-byte aligned, and for the selected branch whole blocks
-    per key tile."""
-    if not (TUNING.hopper_backward and gluon_layout_ok(q, k, v)):
-        return False
-    # 16-byte copies of the rows: the kernel compiles them only with every q/do stride a multiple of 16 elements
-    # (Triton's launch specialisation), which contiguous [B,T,H,64|128] tensors have.
-    if do.dtype != q.dtype or do.shape != q.shape[:3] + (v.shape[-1],):
-        return False
-    if any(x.stride(-1) != 1 or x.data_ptr() % 16 or any(s % 16 for s in x.stride()[:3]) for x in (q, do)):
-        return False
-    return mode != 2 or sel_block % hopper_backward_config(q.shape[-1])["BLOCK_N"] == 0
-
-
-def hopper_backward_config(d: int) -> dict:
+def config(d: int) -> dict:
     """Rows per step, keys per program (a warp per 16 keys), stages of the rows' ring."""
     if d <= 64:
-        keys = TUNING.hopper_dkdv_block_n
-        return dict(BLOCK_M=TUNING.hopper_dkdv_block_m, BLOCK_N=keys, STAGES=TUNING.hopper_dkdv_stages,
+        keys = TUNING.gluon_dkdv_block_n
+        return dict(BLOCK_M=TUNING.gluon_dkdv_block_m, BLOCK_N=keys, STAGES=TUNING.gluon_dkdv_stages,
                     num_warps=keys // 16)
-    # Compiled for sm_90: 32 rows need 224 registers; 64 rows x 128 keys spill.
+    # Compiled for sm_90: 32 rows fit the registers; 64 rows x 128 keys spill.
     return dict(BLOCK_M=32, BLOCK_N=64, STAGES=2, num_warps=4)
 
 
-def range_attention_dkdv_hopper(q, k, v, do, lse, delta, dk_out, dv_out, mode: int, scale: float, block_len: int,
-                                block_stride: int, window: int, bits, bit_strides: tuple, sel_block: int,
-                                splits: int, rows_per_split: int) -> None:
-    """range_attention_dkdv's kernel on Hopper. dk_out and dv_out are [parts, *k.shape]: with one part, splits > 1
-    add into it (float32, zeroed) and a single split writes it; with `splits` parts, each split writes its own."""
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, mode: int, sel_block: int) -> bool:
+    """Whether this kernel can take the call: common.layout_ok, q's and do's rows copyable in 16-byte pieces
+    (common.rows_copyable), and for the selected branch whole blocks per key tile."""
+    if not layout_ok(q, k, v) or do.dtype != q.dtype or do.shape != q.shape[:3] + (v.shape[-1],):
+        return False
+    return rows_copyable(q, do) and (mode != 2 or sel_block % config(q.shape[-1])["BLOCK_N"] == 0)
+
+
+def launch(q, k, v, do, lse, delta, dk_out, dv_out, mode: int, scale: float, geometry: NSAGeometry, bits,
+           bit_strides: tuple, splits: int, rows_per_split: int) -> None:
+    """The span dK/dV (tiles: config). dk_out and dv_out are [parts, *k.shape]: with one part, splits > 1 add into
+    it (float32, zeroed) and a single split writes it; with `splits` parts, each split writes its own."""
     B, T, H, D = q.shape
     NK, G = k.shape[1], k.shape[2]
-    cfg = hopper_backward_config(D)
+    cfg = config(D)
     grid = (-(-NK // cfg["BLOCK_N"]), splits, B * G)
     parts = dk_out.shape[0]
-    _range_dkdv_hopper[grid](
-        q, do, _descriptor(k, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]), lse, delta, dk_out, dv_out, bits,
+    _span_dkdv_kernel[grid](
+        q, do, descriptor(k, cfg["BLOCK_N"]), descriptor(v, cfg["BLOCK_N"]), lse, delta, dk_out, dv_out, bits,
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
         *dk_out.stride()[1:4], *dv_out.stride()[1:4], *((dk_out.stride(0), dv_out.stride(0)) if parts > 1 else (0, 0)),
-        *bit_strides, T, NK, G, scale * 1.4426950408889634, scale, block_len, block_stride, window,
-        max(sel_block, 1), rows_per_split, h=H // G, MODE=mode, D=D, ATOMIC=splits > parts, **cfg,
+        *bit_strides, T, NK, G, scale * 1.4426950408889634, scale, geometry.block_len, geometry.block_stride,
+        geometry.window, geometry.sel_block, rows_per_split, h=H // G, MODE=mode, D=D, ATOMIC=splits > parts, **cfg,
     )

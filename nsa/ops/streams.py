@@ -1,11 +1,10 @@
-"""A second CUDA stream for the NSA branches whose kernels do not depend on each other.
+"""Work queued on a second CUDA stream, beside the current one, for NSA stages that do not depend on each other.
 
 The compressed branch (its forward and block choice, its dK/dV) and the window's dK/dV depend on neither the
 window forward nor the selected branch. Queued on a side stream, they run beside those, so the GPU is not left
-idle between one kernel's last programs and the next kernel's first (measured: benchmarks/RESULTS.md, twentieth
-session; the branches' big kernels already fill the SMs, so it is the gaps that shrink, not the compressed work).
-The selected branch's float32 dK/dV sums are converted there too, beside dQ (`Beside.follow` forks again).
-Off CUDA (the interpreter) everything runs in order on the one stream, as it would without this module.
+idle between one kernel's last programs and the next kernel's first (the branches' big kernels already fill the
+SMs: it is the gaps that shrink). Whether a call uses it is nsa.ops.dispatch.side_stream's choice; a disabled
+SideStream runs everything in order on the current stream, as on the CPU.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor
-
-from .tuning import TUNING
 
 R = TypeVar("R")
 _SIDE: dict[int, torch.cuda.Stream] = {}
@@ -29,28 +26,26 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE[index]
 
 
-class Beside:
-    """Work of one NSA call (on queries q) queued beside the current stream. Creating one forks (the side stream
-    waits for all queued so far); `join` makes the current stream wait for the side's work and hands its tensors
-    over to it. Work queued after a join runs beside what the current stream does next, until the next join."""
+class SideStream:
+    """The work of one NSA call queued on a side CUDA stream of `device`. Creating an enabled one forks (the side
+    stream waits for all queued so far); `join` makes the current stream wait for the side's work and hands its
+    tensors over to it. Work queued after a join runs beside what the current stream does next, until the next
+    join. Disabled, `run` calls in place and the rest does nothing.
 
-    def __init__(self, q: Tensor):
-        # Not for small calls (TUNING.branch_streams_min_elements: the streams' host bookkeeping would cost more
-        # than the overlap gains), except while a CUDA graph is captured: the fork and join become edges of the
-        # graph, its replays pay no host time for them, and small calls are where the branches leave most SMs
-        # idle. A side stream joined to the capture allocates from the graph's pool, and record_stream defers the
-        # reuse of its outputs' memory until the capture ends.
-        device = q.device
-        on = device.type == "cuda" and TUNING.branch_streams
-        self.on = on and (q.numel() >= TUNING.branch_streams_min_elements or torch.cuda.is_current_stream_capturing())
-        self.main = torch.cuda.current_stream(device) if self.on else None
-        self.side = _side_stream(device) if self.on else None
+    Inside a CUDA graph capture the fork and join become edges of the graph; a side stream joined to the capture
+    allocates from the graph's pool, and record_stream defers the reuse of its outputs' memory until the capture
+    ends."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.on = enabled
+        self.main = torch.cuda.current_stream(device) if enabled else None
+        self.side = _side_stream(device) if enabled else None
         self.outputs: list[Tensor] = []
-        if self.on:
+        if enabled:
             self.side.wait_stream(self.main)
 
     def run(self, fn: Callable[..., R], *args, **kwargs) -> R:
-        """fn(*args) queued on the side stream (or run in place when off); its returned tensors are kept for
+        """fn(*args) queued on the side stream (or run in place when disabled); its returned tensors are kept for
         `join`. Inputs must stay alive until `join`: the caller holds them."""
         if not self.on:
             return fn(*args, **kwargs)
@@ -69,6 +64,7 @@ class Beside:
             t.record_stream(self.side)
 
     def join(self) -> None:
+        """The current stream waits for the side's work; the side's outputs belong to the current stream."""
         if not self.on:
             return
         self.main.wait_stream(self.side)
