@@ -22,6 +22,7 @@ from nsa.cli import main
 from nsa.telemetry.report import read_jsonl as read_events
 from nsa.train import checkpoint
 from nsa.train.optim import lr_factor
+from nsa.train.resume_rules import split_changes
 from nsa.train.config import TrainConfig
 from nsa.train.run_folder import LOCK, claim_run_folder
 
@@ -193,6 +194,18 @@ def test_resuming_with_a_change_that_shapes_the_model_or_data_is_refused(trained
     assert listed in err and "train.steps" not in err and len(err.strip().splitlines()) == 1
     after = {p: p.read_bytes() for p in trained.rglob("*") if p.is_file()}
     assert after == before  # config.yaml, metrics and checkpoints untouched
+
+
+def test_a_retrieval_run_may_change_its_lengths_on_resume_and_other_sources_may_not():
+    """Each retrieval batch is drawn from (seed, rank, batch index) alone: a curriculum of lengths is one run."""
+    changes = {"train.seq_len": (256, 1024), "train.batch_size": (256, 64), "data.retrieval.mix_lengths": ([], [2048]),
+               "model.dim": (64, 96), "train.lr": (1e-3, 2e-3)}
+    fixed, applied = split_changes(changes, "retrieval")
+    assert set(fixed) == {"model.dim"}
+    assert set(applied) == {"train.seq_len", "train.batch_size", "data.retrieval.mix_lengths", "train.lr"}
+    fixed, applied = split_changes(changes, "shards")
+    assert set(fixed) == {"train.seq_len", "train.batch_size", "data.retrieval.mix_lengths", "model.dim"}
+    assert set(applied) == {"train.lr"}
 
 
 def test_resuming_with_a_new_learning_rate_applies_it_and_records_it(trained, capsys):

@@ -205,7 +205,7 @@ class Trainer:
         if path is None:
             return None
         meta = checkpoint.verify(path)
-        fixed, applied = split_changes(config_changes(meta["config"], to_dict(self.cfg)))
+        fixed, applied = split_changes(config_changes(meta["config"], to_dict(self.cfg)), self.cfg.data.source)
         if fixed:
             raise UserError(
                 f"cannot resume from {path}: it was trained with other settings that shape the model or the data "
