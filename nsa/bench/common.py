@@ -1,12 +1,10 @@
-"""Shared benchmark plumbing: CUDA-event timing, environment facts, table and CSV/JSON output, edited kernels."""
+"""Shared benchmark plumbing: CUDA-event timing, profiles, environment facts, table and CSV/JSON output, CUDA graphs."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -146,24 +144,6 @@ def print_row(row: dict, columns: list[str]) -> None:
     print(format_table([row], columns).splitlines()[-1], flush=True)
 
 
-def kernel_variant(source: Path, name: str, edits: list[tuple[str, str]], folder: Path):
-    """The kernel module `source` (a file of nsa/ops/triton) with each (old, new) text edit applied, imported from a
-    copy in `folder`: benchmarks/*_variants.py time the shipped kernels against such copies. An edit whose text is
-    not in the file stops the run with a one-line message."""
-    text = source.read_text().replace("from .", "from nsa.ops.triton.")
-    for old, new in edits:
-        if old not in text:
-            raise SystemExit(f"variant {name!r}: {old!r} is not in {source}")
-        text = text.replace(old, new)
-    path = folder / f"{source.stem}_variant_{abs(hash(name))}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def graphed(fn: Callable[[], object], use_graph: bool = True) -> Callable[[], object]:
     """fn captured in a CUDA graph (warmed up on a side stream first), or fn itself."""
     if not use_graph:
@@ -180,8 +160,7 @@ def graphed(fn: Callable[[], object], use_graph: bool = True) -> Callable[[], ob
 
     def replay(fn: Callable[[], object] = fn) -> None:
         # The graph reads fn's inputs where they were at capture: holding fn (and what its closure holds) keeps
-        # them from being freed and overwritten while the replay exists. item_order.py's first form lost its
-        # index this way (benchmarks/RESULTS.md, thirty-first session).
+        # them from being freed and overwritten while the replay exists.
         graph.replay()
 
     return replay
