@@ -1,5 +1,5 @@
 """Pictures of benchmark results: every `nsa bench` command draws one beside its CSV/JSON, and
-`nsa bench plot RESULTS.json` redraws one from a saved file (e.g. under benchmarks/history/).
+`nsa bench plot RESULTS.json` redraws one from a saved file (e.g. runs/bench/attention.json).
 
 attention: NSA's speed-up over each dense reference (SDPA flash, cuDNN) and fla-core, per shape, against T;
 decode: the speed-up of a whole decode step and of one layer's attention, per batch, against the context;
