@@ -1,5 +1,5 @@
-"""The Triton kernels on a GPU at real shapes in bf16 (skipped without CUDA; run on the GPU machine,
-results recorded in benchmarks/RESULTS.md)."""
+"""The Triton kernels on a GPU at real shapes in bf16 (skipped without CUDA; benchmarks/gpu_check.sh
+runs them on a GPU)."""
 
 import dataclasses
 

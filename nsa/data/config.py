@@ -38,7 +38,7 @@ class RetrievalConfig:
     train.seq_len and these (uniformly, the same on every rank) and holds batch_size * seq_len / length examples
     of it, so every step has the same tokens. Each must divide batch_size * seq_len. Validation stays at
     train.seq_len. A curriculum of one length at a time lets a model settle on the shorter length first, and
-    the step to twice that length then failed in one NSA run of two on an H100 (benchmarks/RESULTS.md)."""
+    the step to twice that length then failed in one NSA run of two on an H100 (docs/experiments.md)."""
 
 
 @dataclass

@@ -25,7 +25,7 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step (tokens per step = batch_size * grad_accum * seq_len)."""
     lr: float = 2e-3
     """Peak learning rate of AdamW. The default suits the tiny model: at 3e-3 its layer-0 gates closed (~0.01) and
-    its validation loss was worse on two seeds of the default run (benchmarks/RESULTS.md, thirty-second session)."""
+    its validation loss was worse on two seeds of the default run (docs/experiments.md)."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at lr * min_lr_ratio."""
     warmup_steps: int = 40
@@ -104,7 +104,7 @@ class ParallelConfig:
     def check_cudagraphs(self, mode: str) -> None:
         """The CUDA-graph settings that the config alone decides, for `mode` (a launch mode or the resolved one).
         Under FSDP2, whose blocks gather their parameters outside the compiled code, a step with graphs took 5.6x
-        longer than without (two H200s, RESULTS.md)."""
+        longer than without (two H200s, docs/experiments.md)."""
         if self.cudagraphs is not True:  # 'auto' never asks for what cannot run
             return
         if self.compile is False:

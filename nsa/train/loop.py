@@ -97,7 +97,7 @@ def step_kind(parallel: ParallelConfig) -> str:
 
 def fsdp_pace_note(mode: str, device_type: str) -> str | None:
     """The banner's note for FSDP2 on a GPU, whose steps replay no CUDA graphs (ParallelConfig.check_cudagraphs):
-    at M7C's 8 x 2048 a GPU two GPUs under FSDP2 trained at half one GPU's graphed rate (benchmarks/RESULTS.md)."""
+    at M7C's 8 x 2048 a GPU two GPUs under FSDP2 trained at half one GPU's graphed rate (docs/performance.md)."""
     if mode != "fsdp" or device_type != "cuda":
         return None
     return ("note: FSDP2 replays no CUDA graphs, so with few sequences per GPU the host sets the pace; a model that "

@@ -7,7 +7,7 @@ phi maps each block i of l tokens, x[i*d : i*d + l], to one compressed token:
 W1_j being the D columns of fc1 that read the block's j-th token. PyTorch computes this on unfolded blocks, a
 copy that doubles the keys (stride d = l/2), then adds pos to it, pools it and differentiates through it with
 further passes of the same size; those elementwise kernels cost ~2 ms of a 170 ms M7C training step at 2k x 32
-(benchmarks/RESULTS.md, twenty-sixth session). Here each kernel reads the tokens where they lie:
+(docs/experiments.md). Here each kernel reads the tokens where they lie:
 
 - forward: one program per tile of blocks accumulates h over the l token positions (a tensor-core product per
   position), the mean beside it, then applies silu and fc2; it keeps h (float32) for the backward;

@@ -23,7 +23,7 @@ group) would leave the GPU nearly idle at batch 1. The work is split instead, in
      and forms the gated sum; it also counts the key/value tokens read.
 Only the compressed stream, the chosen blocks and the window are loaded: Nc(t) + n*l' + w tokens.
 Partials hold the h real heads only (their readers mask the padded rows), and the ranking kernels run
-on 2 warps. benchmarks/decode_variants.py times each launch against copies with one change undone.
+on 2 warps.
 """
 
 from __future__ import annotations

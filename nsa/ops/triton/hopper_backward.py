@@ -3,7 +3,7 @@
 Same contract as range_attention_dkdv for the compressed, window and tiled selected branches: one program per
 tile of keys (and split of the rows that see it), looping over the (token, head) rows of the key/value group
 that see the tile. On an H100 at M7C's shape, Triton's kernel sits at 255 registers with spills and keeps the
-tensor cores 30-37% busy, cuDNN's backward ~43% (benchmarks/RESULTS.md, fifteenth session). Here:
+tensor cores 30-37% busy, cuDNN's backward ~43% (docs/experiments.md). Here:
 
 - the key and value tiles arrive once by TMA; each row step's queries and output gradients are copied into a
   ring of shared-memory stages by cp.async (a row step starts mid-token when h is not a power of two, which a

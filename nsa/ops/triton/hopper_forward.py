@@ -2,7 +2,7 @@
 
 Same contract as range_attention_fwd for the compressed, window and tiled selected branches (and the
 gated sum): on an H100 at head dim 64, Triton's own kernel keeps the tensor cores ~28% busy against
-cuDNN's ~45% (benchmarks/RESULTS.md, fifteenth session). Here the schedule is explicit:
+cuDNN's ~45% (docs/experiments.md). Here the schedule is explicit:
 
 - one program per tile of (token, head) rows of a key/value group, as range_attention packs them: its
   queries are loaded once into shared memory, the group's keys and values of the next steps arrive by
@@ -11,7 +11,7 @@ cuDNN's ~45% (benchmarks/RESULTS.md, fifteenth session). Here the schedule is ex
   that product is awaited only after step i's softmax, so the tensor cores and the softmax overlap;
 - ~130-180 registers (sm_90) instead of 255, so three programs share an SM.
 
-Measured against the Triton kernel on an H100 as GPU time (benchmarks/hopper_ab.py --graphs): 1.27x on
+Measured against the Triton kernel on an H100 as GPU time: 1.27x on
 M7C's tiled selected branch at 2k, 1.21x on its window branch and 1.04-1.14x on its compressed branch at
 every length, 1.02-1.22x on the paper shape's. A launch costs more host time than Triton's (it builds TMA
 descriptors), which only calls of ~0.1 ms run back to back expose.

@@ -114,7 +114,7 @@ def band_add_layout(num_warps, d):
     """Row-major float32 [rows, d] tiles in 16-byte pieces (four-wide atomic adds) in which each warp holds the
     16-row bands of the wgmma result it computed, so converting dQ to it needs no block-wide barrier.
     At M7C 32k x 2 this kernel ran 2.02-2.04 ms against 2.07-2.12 with add_io_layout's bands across warps
-    (benchmarks/selected_backward_variants.py, thirty-third session); 8, 2 or 1 rows a thread were slower."""
+    (docs/experiments.md); 8, 2 or 1 rows a thread were slower."""
     col_lanes = min(8, d // 4)
     row_lanes = 32 // col_lanes
     return gl.BlockedLayout([16 // row_lanes, 4], [row_lanes, col_lanes], [num_warps, 1], [1, 0])

@@ -305,7 +305,7 @@ def _bwd_rows(Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, first, last, b, 
                                                 sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
         ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, r0 + 2 * BLOCK_R, count, bg, T, n, h, BLOCK_R)
         # Rows-major tiles measured faster on H200 than keys-major ones (which avoid the transposes):
-        # 6.6 vs 12.1 ms at M7C 64k, 67 vs 97 ms at the paper shape (benchmarks/RESULTS.md).
+        # 6.6 vs 12.1 ms at M7C 64k, 67 vs 97 ms at the paper shape (docs/experiments.md).
         p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])  # [BLOCK_R, BLOCK_L]
         if MASKED:
             p = tl.where(k_ok[None, :] & row_ok[:, None] & (pos[None, :] <= t[:, None]), p, 0.0)

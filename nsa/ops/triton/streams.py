@@ -2,8 +2,8 @@
 
 The compressed branch (its forward and block choice, its dK/dV) and the window's dK/dV depend on neither the
 window forward nor the selected branch. Queued on a side stream, they run beside those, so the GPU is not left
-idle between one kernel's last programs and the next kernel's first (measured: benchmarks/RESULTS.md, twentieth
-session; the branches' big kernels already fill the SMs, so it is the gaps that shrink, not the compressed work).
+idle between one kernel's last programs and the next kernel's first (measured: docs/experiments.md;
+the branches' big kernels already fill the SMs, so it is the gaps that shrink, not the compressed work).
 The selected branch's float32 dK/dV sums are converted there too, beside dQ (`Beside.follow` forks again).
 Off CUDA (the interpreter) everything runs in order on the one stream, as it would without this module.
 """

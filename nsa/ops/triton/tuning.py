@@ -29,7 +29,7 @@ class Tuning:
     hopper_stages: int = 3
     """Key/value tiles in flight in its shared-memory ring. Measured on H100, dense causal M7C forward (w = T):
     339 / 379 TFLOP/s at 2k x 16 / 64k with 3 stages, 344 / 396 with 4, Triton's kernel 282 / 380; on NSA's own
-    branches (benchmarks/hopper_ab.py) 3 stages won more often."""
+    branches 3 stages won more often."""
     hopper_backward: bool = True
     """On an sm_90 GPU, run the compressed/window/tiled-selected dK/dV kernel as the Gluon kernel of
     hopper_backward.py where it applies; False keeps Triton's kernel (the one the CPU tests check)."""
@@ -40,7 +40,7 @@ class Tuning:
     hopper_dkdv_stages: int = 3
     """Row steps in flight in its shared-memory ring (cp.async). GPU time on an H100, M7C at 2k x 16, 64 rows x
     64 keys: 3 stages 0.655 ms on the tiled selected branch, 2 stages 0.689, Triton 0.785; 32 rows or 128 keys were
-    slower (benchmarks/hopper_ab.py --kernel dkdv --graphs)."""
+    slower (the kernel alone, graphed)."""
     hopper_selected_backward: bool = True
     """On an sm_90 GPU, run the block-centric selected branch's dK/dV (and dQ shares) as the Gluon kernel of
     hopper_selected_backward.py where it applies (its tiles: hopper_dkdv_*); False keeps Triton's kernel (the one
@@ -63,8 +63,8 @@ class Tuning:
     hopper_dq_block_m: int = 64
     """(token, head) rows per program of that kernel at head dims up to 64 (a warp per 16 rows)."""
     hopper_dq_stages: int = 3
-    """Key/value steps in flight in its shared-memory ring. GPU time on an H100, M7C (benchmarks/hopper_ab.py
-    --kernel dq --graphs): 3 stages 0.505 / 1.43 ms at 2k x 16 / 64k, 2 stages 0.500 / 1.56, 4 stages 0.566 / 1.61;
+    """Key/value steps in flight in its shared-memory ring. GPU time on an H100, M7C (the kernel
+    alone, graphed): 3 stages 0.505 / 1.43 ms at 2k x 16 / 64k, 2 stages 0.500 / 1.56, 4 stages 0.566 / 1.61;
     128 rows 0.682 / 1.88."""
     dq_block_m: int = 64
     """(token, head) rows per program of query_grad's dQ kernel (all branches), head dims up to 64
@@ -133,7 +133,7 @@ class Tuning:
     gate_warps: int = 4
     phi_block_m: int = 64
     """Blocks per program of phi's kernels (compression.py; chunks of block_stride tokens in the token gradient's,
-    rows per step in fc1's weight gradient's). H100, M7C 2k x 32, one key set (benchmarks/phi_sweep.py): forward
+    rows per step in fc1's weight gradient's). H100, M7C 2k x 32, one key set: forward
     0.030 ms at 64 blocks on 4 warps, 0.038-0.096 at 32 or 128 blocks on 4 or 8 warps."""
     phi_warps: int = 4
     phi_w1_rows: int = 1024
@@ -144,7 +144,7 @@ class Tuning:
     beside the window and selected kernels (streams.py)."""
     branch_streams_min_elements: int = 1 << 24
     """...from this many elements of q (B * T * H * Dk) on: the fork and join cost host time, which shows where a
-    call's host time exceeds its GPU time. Alternating A/B on an H100 (benchmarks/tuning_ab.py), M7C forward+backward
+    call's host time exceeds its GPU time. Alternating A/B on an H100 (benchmarks/ab.py), M7C forward+backward
     queued back to back, with the side stream: 1.04x at 8k x 16 (two runs), 0.99-1.03x at 2k x 32 and 2k x 64; a run
     where the host set the pace (2k x 32 and 8k x 4) read 0.905x and 0.963x. While a CUDA graph is captured every
     size forks (no host time at replay): M7C 2k x 1 0.268 -> 0.225 ms of GPU time (twenty-fifth session)."""
@@ -153,7 +153,7 @@ class Tuning:
     backward and dQ."""
     decode_chunk_programs_per_sm: int = 1
     """The decode kernel's compressed pass gives each program 2, 4 or 8 chunks of compressed tokens (a pipelined
-    loop) while at least this many programs per SM remain. H100, M7C, batch 16 (benchmarks/decode_variants.py):
+    loop) while at least this many programs per SM remain. H100, M7C, batch 16:
     the pass took 22.1 us at 64k with one chunk a program (2,048 programs), 20.2 with 4, 18.6 with 8 (256
     programs); at 128k 40.5 with one, 37.9 with 8. Batch 1 keeps one (8 chunks: 3.2 -> 13 us)."""
     decode_chunk_stages: int = 3
@@ -164,7 +164,7 @@ class Tuning:
     """The inverse index splits a sequence's queries into this many ranges and orders its work items by range, then
     block, so that the programs running together gather their rows from one range of q (and do), which stays in
     the L2 cache; not in deterministic mode, whose sums need a block's items together. H100, M7C at 32k x 2, GPU
-    time (benchmarks/item_order.py): selected forward with its merge 1.788 -> 1.697 ms with ranges of 8,192 tokens,
+    time: selected forward with its merge 1.788 -> 1.697 ms with ranges of 8,192 tokens,
     1.707 with 4,096, 1.857 with 1,024 (items of a range and block fill less)."""
     inverse_min_range: int = 2048
     """...each range holding at least this many tokens (16 under the interpreter). H100, M7C at 8k x 8: forward
@@ -173,7 +173,7 @@ class Tuning:
     """The block-centric selected backward's Gluon kernel adds each row's dQ into one float32 dQ of the branch with
     relaxed atomics (in the L2 cache, the rows of one query range at a time), instead of writing a bf16 share per
     (query, slot, head) that the dQ kernel reads back: at M7C 32k x 2, 1.61 GB written and read a layer (now a 0.2
-    GB float32 dQ). H100, 32k x 2, selected backward and dQ kernel (benchmarks/item_order.py, two runs): 3.347 /
+    GB float32 dQ). H100, 32k x 2, selected backward and dQ kernel (two runs): 3.347 /
     3.200 ms with shares, 3.199 / 3.157 with adds and ranges of 8,192 tokens (3.314 / 3.233 with shares and those
     ranges); a graph replay of a whole layer's forward and backward ties (8.572 ms with adds, 8.555 with shares).
     Kept for the memory and the float32 sum. Not in deterministic mode."""
