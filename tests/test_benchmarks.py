@@ -229,3 +229,12 @@ def test_the_retrieval_recipe_runs_its_curriculum_as_one_run(tmp_path):
     assert config["data"]["retrieval"]["mix_lengths"] == [512]
     assert "passkey" in (run / "eval" / "eval.csv").read_text()
     assert "retrieval-nsa-1337" in (tmp_path / "runs" / "compare" / "compare.md").read_text()
+
+
+def test_bench_results_go_to_a_git_ignored_folder_by_default():
+    from nsa.cli import parse_args
+
+    for kind in ("attention", "train", "decode"):
+        assert parse_args(["bench", kind]).out == "runs/bench"
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "runs/bench/attention.json"])
+    assert ignored.returncode == 0
