@@ -85,7 +85,7 @@ train() {  # RUN, then overrides after the user's
 
 latest_step() {  # RUN: the step of its latest complete checkpoint, 0 without one
   local last
-  last=$(ls -d "$out/$1"/checkpoints/step_* 2>/dev/null | sort | tail -1)
+  last=$(ls -d "$out/$1"/checkpoints/step_* 2>/dev/null | sort | tail -1 || true)
   if [[ -n $last && -f $last/COMPLETE.json ]]; then echo $((10#${last##*step_})); else echo 0; fi
 }
 

@@ -143,12 +143,12 @@ def test_a_variant_that_cannot_start_stops_the_run_in_one_line(tmp_path):
 # -------------------------------------------------------------------------------------------- the shell scripts
 
 
-def _bash(script: str, *args: str, path_first: Path | None = None) -> subprocess.CompletedProcess:
+def _bash(script: str, *args: str, path_first: Path | None = None, timeout: int = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if path_first:
         env["PATH"] = f"{path_first}:{env['PATH']}"
-    return subprocess.run(["bash", str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=60,
-                          env=env)
+    return subprocess.run(["bash", str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 
 @pytest.fixture
@@ -204,7 +204,7 @@ TINY = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads
 @pytest.mark.slow
 def test_the_learn_recipe_trains_evaluates_and_compares_both_models(tmp_path):
     out = _bash("recipes.sh", "learn", str(tmp_path / "runs"), "--", *TINY, "train.seq_len=128", "train.steps=4",
-                "data.source=text", f"data.path={ROOT / 'README.md'}")
+                "data.source=text", f"data.path={ROOT / 'README.md'}", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     runs = tmp_path / "runs"
     for model in ("nsa", "dense"):
@@ -218,7 +218,7 @@ def test_the_retrieval_recipe_runs_its_curriculum_as_one_run(tmp_path):
     """Two stages of 2 steps (128 x 4, then 256 x 2 mixed with 512) and 2 more steps: one 6-step schedule."""
     out = _bash("recipes.sh", "retrieval", str(tmp_path / "runs"), "--attention", "nsa", "--stages",
                 "128x4:2,256x2+512:2", "--extend", "2", "--eval-lengths", "256,512", "--eval-samples", "1",
-                "--", *TINY)
+                "--", *TINY, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = tmp_path / "runs" / "retrieval-nsa-1337"
     steps = [int(r.split(",")[0]) for r in (run / "metrics.csv").read_text().splitlines()[1:]]
