@@ -1,17 +1,37 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: the kernel tests at real shapes, then `nsa bench attention`.
-# Run from the repository root; extra arguments go to `nsa bench attention`.
-# --full-tests (first) adds the tiny-shape kernel tests (several minutes of compiling on the device).
-# Wheels in .whl/ (e.g. fla-core, for the comparison) are installed to /tmp/site first.
-set -o pipefail
-OUT=${OUT:-/tmp/nsa-gpu-check}
-mkdir -p "$OUT"
-source benchmarks/gpu_env.sh
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
-tests="tests/test_triton_gpu.py tests/test_triton_decode.py"
-if [[ ${1:-} == --full-tests ]]; then
-  tests="$tests tests/test_triton_kernels.py"
-  shift
+# usage: bash benchmarks/gpu_check.sh OUT_DIR [LENGTHS [nsa bench attention options...]]
+#
+# On a machine with a CUDA GPU: the GPU tests at real shapes, then `nsa bench attention` for both shapes
+# (M7C 12/2/64 and the paper's 64/4/128) at LENGTHS (comma-separated; default 2k to 128k), the command behind
+# docs/performance.md's attention tables. A failing test stops the script before any timing. OUT_DIR receives
+# gpu.txt (the device), gpu_tests.log, bench.log and the benchmark's attention.csv, .json and .png.
+# Options after LENGTHS go to the benchmark, e.g. `--graphs --no-fla` for GPU time alone.
+set -euo pipefail
+if [[ $# -lt 1 || $1 == -* ]]; then
+  echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [LENGTHS [nsa bench attention options...]]" >&2
+  exit 2
 fi
-python3 -m pytest -q $tests 2>&1 | tee "$OUT/gpu_tests.log"
-python3 -m nsa bench attention --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+mkdir -p "$1"
+out=$(cd "$1" && pwd)
+lengths=${2:-2048,4096,8192,16384,32768,65536,131072}
+shift $(( $# < 2 ? $# : 2 ))
+if [[ ! $lengths =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  echo "gpu_check.sh: LENGTHS is a comma-separated list of token counts, e.g. 2048,65536 (got '$lengths')" >&2
+  exit 2
+fi
+if ! nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1; then
+  echo "gpu_check.sh: no CUDA GPU found (nvidia-smi failed); run this on a GPU machine" >&2
+  exit 2
+fi
+cat "$out/gpu.txt"
+cd "$root"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Every test that needs a GPU: the kernel files whole, and the GPU-only tests of the others.
+python3 -m pytest -q -p no:cacheprovider \
+  tests/test_triton_gpu.py tests/test_triton_decode.py tests/test_triton_phi.py \
+  "tests/test_model.py::test_a_pinned_dense_kernel_runs_on_the_gpu_forward_and_backward" \
+  "tests/test_train.py::test_cuda_graph_steps_give_the_compiled_steps_losses" \
+  "tests/test_data_sources.py::test_prefetch_pins_batches_for_a_gpu_so_the_copy_is_queued" \
+  2>&1 | tee "$out/gpu_tests.log"
+python3 -m nsa bench attention --shapes m7c,paper --lengths "$lengths" --out "$out" "$@" 2>&1 | tee "$out/bench.log"

@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="m7c,paper", help="comma-separated: m7c (12/2/64), paper (64/4/128)")
     p.add_argument("--lengths", type=_int_list, default="2048,4096,8192,16384,32768,65536,131072",
                    help="comma-separated sequence lengths")
-    p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")
+    p.add_argument("--out", default="runs/bench", help="folder for the CSV/JSON results")
     p.add_argument("--forward-only", action="store_true", help="skip forward+backward timings")
     p.add_argument("--no-fla", action="store_true", help="skip fla-core's parallel_nsa")
     p.add_argument("--components", type=_int_list, default=[], metavar="T,...",
@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per micro-batch per rank")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
-    p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")
+    p.add_argument("--out", default="runs/bench", help="folder for the CSV/JSON results")
     p.add_argument("--profile", action="store_true",
                    help="also write one step's GPU kernels by time to OUT/profile_<attention>_<T>.txt")
     p.set_defaults(func=_cmd_bench_train)
@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed decode steps, rounded up to whole cycles of d tokens (mean reported)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (no CUDA graphs; for a functional check)")
     p.add_argument("--compile", action="store_true", help="torch.compile each model's decode step (fuses small kernels)")
-    p.add_argument("--out", default="benchmarks/results", help="folder for the CSV/JSON results")
+    p.add_argument("--out", default="runs/bench", help="folder for the CSV/JSON results")
     p.add_argument("--profile", action="store_true",
                    help="also write each step's kernels by time to OUT/profile_decode_<attention>_<context>_b<batch>.txt "
                         "and count the kernels a step launches (kernels_per_step)")
@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser(
         "plot", help="redraw the picture of saved results (no GPU): speed-ups or tokens/s against length",
         description="Draws the PNG that nsa bench attention, decode and train write beside their CSV/JSON, from a "
-                    "saved JSON.",
+                    "saved JSON (e.g. runs/bench/attention.json).",
     )
     p.add_argument("results", help="a JSON file written by nsa bench attention, decode or train")
     p.add_argument("--out", default=None, help="the PNG to write (default: the results file's name with .png)")

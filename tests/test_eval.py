@@ -4,9 +4,7 @@ commands end to end on tiny runs (CPU, short contexts)."""
 import csv
 import json
 import math
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -516,46 +514,3 @@ def test_user_errors_exit_2_with_one_line(runs, tmp_path, capsys):
     out = nsa_cli("eval", str(tmp_path / "missing"))
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
     assert out.stderr.startswith("nsa: error: ") and "does not exist" in out.stderr
-
-
-# ------------------------------------------------------------------------------------- the recipe script
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_learn_check_smoke_runs_end_to_end(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path / "out")}
-    out = subprocess.run(["bash", "benchmarks/learn_check.sh", "--smoke", "--work", str(tmp_path / "work")], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    files = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert len(files) <= 8, files  # what the device machine sends back
-    assert {"learn_check.log", "learn_check.tgz", "compare_learn.md", "compare_retrieval.md"} <= set(files)
-    learn = (tmp_path / "out" / "compare_learn.md").read_text()
-    assert "learn-nsa-s1" in learn and "learn-dense-s1" in learn and "**Margin:**" in learn
-    assert "retrieval-nsa" in (tmp_path / "out" / "compare_retrieval.md").read_text()
-    # Two stages of 2 steps at 128 and 256 tokens, then the extension (2 steps at 256) on a 6-step schedule.
-    rows = (tmp_path / "work" / "retrieval-nsa" / "metrics.csv").read_text().splitlines()
-    steps = [int(r.split(",")[0]) for r in rows[1:]]
-    assert steps[-1] == 6 and steps == sorted(set(steps))
-    config = (tmp_path / "work" / "retrieval-nsa" / "config.yaml").read_text()
-    assert "steps: 6" in config and "seq_len: 256" in config
-
-
-def test_learn_check_retrieval_trunk_then_branch(tmp_path):
-    """--retrieval-until trains the trunk to a step on the full schedule and stops; a copy then resumes to the end."""
-    env = {**os.environ, "OUT": str(tmp_path / "out")}
-
-    def check(*args):
-        out = subprocess.run(["bash", "benchmarks/learn_check.sh", "--smoke", "--no-learn", *args], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-
-    trunk, branch = tmp_path / "trunk" / "retrieval-nsa", tmp_path / "branch" / "retrieval-nsa"
-    check("--retrieval-until", "2", "--work", str(trunk.parent))
-    assert sorted(p.name for p in (trunk / "checkpoints").iterdir()) == ["step_00000002"]
-    assert not (trunk / "eval").exists() and "steps: 4" in (trunk / "config.yaml").read_text()  # the whole schedule
-    shutil.copytree(trunk, branch)
-    check("--work", str(branch.parent))
-    steps = [int(r.split(",")[0]) for r in (branch / "metrics.csv").read_text().splitlines()[1:]]
-    assert steps[0] <= 2 and steps[-1] == 6 and (branch / "eval" / "eval.csv").is_file()

@@ -1,4 +1,5 @@
-"""The Triton and Gluon kernels on a GPU at real shapes in bf16 (skipped without CUDA)."""
+"""The Triton and Gluon kernels on a GPU at real shapes in bf16 (skipped without CUDA; benchmarks/gpu_check.sh
+runs them on a GPU)."""
 
 import dataclasses
 

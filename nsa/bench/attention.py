@@ -40,18 +40,6 @@ def make_inputs(T: int, H: int, G: int, Dk: int, Dv: int, seed: int = 0, batch: 
     return [t.requires_grad_() for t in ins]
 
 
-def selected_branch_inputs(T: int, batch: int, shape: str = "m7c"):
-    """(q, k, v, inverse) for timing the block-centric selected kernels alone: random inputs, their own selection,
-    and the inverse index the library builds from it (benchmarks/selected_*_variants.py)."""
-    from ..ops import select_blocks
-    from ..ops.triton.inverse_index import build_inverse_index
-
-    H, G, D, Dv = SHAPES[shape]
-    q, k_cmp, _, k, v, *_ = (x.detach() for x in make_inputs(T, H, G, D, Dv, batch=batch))
-    idx = select_blocks(q, k_cmp, geometry=GEOMETRY)
-    return q, k, v, build_inverse_index(idx, T, GEOMETRY.sel_block)
-
-
 def _fwd_bwd(forward, tensors):
     do = None
 

@@ -1,12 +1,10 @@
-"""Shared benchmark plumbing: CUDA-event timing, environment facts, table and CSV/JSON output, edited kernels."""
+"""Shared benchmark plumbing: CUDA-event timing, profiles, environment facts, table and CSV/JSON output, CUDA graphs."""
 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -144,24 +142,6 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
 def print_row(row: dict, columns: list[str]) -> None:
     """One row of format_table(..., columns) without its header, printed at once: progress of a long benchmark."""
     print(format_table([row], columns).splitlines()[-1], flush=True)
-
-
-def kernel_variant(source: Path, name: str, edits: list[tuple[str, str]], folder: Path):
-    """The kernel module `source` (a file of nsa/ops/triton) with each (old, new) text edit applied, imported from a
-    copy in `folder`: benchmarks/*_variants.py time the shipped kernels against such copies. An edit whose text is
-    not in the file stops the run with a one-line message."""
-    text = source.read_text().replace("from .", "from nsa.ops.triton.")
-    for old, new in edits:
-        if old not in text:
-            raise SystemExit(f"variant {name!r}: {old!r} is not in {source}")
-        text = text.replace(old, new)
-    path = folder / f"{source.stem}_variant_{abs(hash(name))}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def graphed(fn: Callable[[], object], use_graph: bool = True) -> Callable[[], object]:

@@ -25,6 +25,11 @@ _APPLIED_EXCEPTIONS = (
     "data.retrieval.mix_lengths",  # the batch shape of a length curriculum, like train.seq_len
 )
 
+_RETRIEVAL_SHAPES = ("train.seq_len", "train.batch_size", "data.retrieval.mix_lengths")
+"""Applied on resume where data.source is 'retrieval': each of its batches is drawn from (seed, rank, batch index)
+alone, so the stream continues at any length and count, and a curriculum of lengths is one run resumed stage by
+stage (configs/recipes/retrieval.yaml)."""
+
 _RUN_IDENTITY = ("train.out_dir", "train.run_name", "checkpoint.resume")
 """Keys that say where the run lives and what it resumes from, not how it trains: never reported as changes."""
 
@@ -63,9 +68,10 @@ def config_changes(saved: dict, new: dict) -> dict[str, tuple[Any, Any]]:
             if key in old and key not in _RUN_IDENTITY and _plain(old[key]) != _plain(value)}
 
 
-def split_changes(changes: dict[str, tuple[Any, Any]]) -> tuple[dict, dict]:
-    """(fixed changes, applied changes)."""
-    fixed = {k: v for k, v in changes.items() if resume_rule(k) == FIXED}
+def split_changes(changes: dict[str, tuple[Any, Any]], data_source: str = "") -> tuple[dict, dict]:
+    """(fixed changes, applied changes) for a run whose data.source is `data_source`."""
+    fixed = {k: v for k, v in changes.items()
+             if resume_rule(k) == FIXED and not (data_source == "retrieval" and k in _RETRIEVAL_SHAPES)}
     return fixed, {k: v for k, v in changes.items() if k not in fixed}
 
 

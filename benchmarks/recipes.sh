@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--attention nsa,dense]
+#            [--stages SEQxBATCH[+LENGTH...]:STEPS,...] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N]
+#            [-- key=value ...]
+#
+# One recipe of configs/recipes/ from start to end, every run in OUT_DIR (docs/evaluation.md, "The recipes"):
+#   learn      configs/recipes/learn.yaml with NSA and with dense attention (same data, seed and tokens), then
+#              `nsa eval --tasks none` of each (validation loss) and `nsa compare` of all into OUT_DIR/compare
+#   retrieval  configs/recipes/retrieval.yaml (passkey retrieval up to 64k tokens) with NSA and with dense
+#              attention, each as one run through the curriculum of --stages, then --extend more steps at the
+#              last stage's shape (the finished run resumed with train.steps raised); then `nsa eval --tasks
+#              passkey` of each (4k-64k tokens x depths 0-100%) and `nsa compare` of all into OUT_DIR/compare
+# Runs are named RECIPE-ATTENTION-SEED (e.g. OUT_DIR/retrieval-nsa-1337). Running the command again resumes each
+# run from its latest checkpoint and skips the stages it has finished.
+# Options:
+#   --seeds N           N runs of each model, train.seed 1337, 1338, ... (default 1)
+#   --attention LIST    the models, comma-separated (default nsa,dense)
+#   --stages SPEC       the retrieval curriculum: each stage SEQxBATCH (tokens x sequences), +LENGTH for each
+#                       length drawn per step besides SEQ (data.retrieval.mix_lengths), :STEPS
+#                       (default 256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4+32768+65536:1000,
+#                        16384x4+4096+8192+32768+65536:600)
+#   --extend STEPS      retrieval steps after the curriculum (default 300; 0: none)
+#   --eval-lengths L,.. and --eval-samples N: the retrieval evaluation's grid (nsa eval's --lengths, --samples)
+#   -- key=value ...    overrides for every `nsa train` (e.g. train.device=cpu or a smaller model); the stages
+#                       set the retrieval runs' train.seq_len, train.batch_size, train.steps and mix_lengths
+# Training runs eagerly (parallel.compile=false, as the recipes' results were measured; the retrieval stages'
+# many lengths would each compile): override with -- parallel.compile=true.
+set -euo pipefail
+usage="usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--attention nsa,dense] [--stages SPEC] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N] [-- key=value ...]"
+fail() { echo "recipes.sh: $*" >&2; exit 2; }
+if [[ $# -lt 2 || ! $1 =~ ^(learn|retrieval)$ || $2 == -* ]]; then echo "$usage" >&2; exit 2; fi
+recipe=$1 out_arg=$2
+shift 2
+seeds=1 attention=nsa,dense extend=300 eval_args=() overrides=()
+stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4+32768+65536:1000,16384x4+4096+8192+32768+65536:600
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --seeds|--attention|--stages|--extend|--eval-lengths|--eval-samples)
+      [[ $# -ge 2 ]] || fail "$1 needs a value"
+      case $1 in
+        --seeds) [[ $2 =~ ^[1-9][0-9]*$ ]] || fail "--seeds takes a positive number (got '$2')"; seeds=$2 ;;
+        --attention) [[ $2 =~ ^(nsa|dense)(,(nsa|dense))*$ ]] || fail "--attention takes nsa, dense or nsa,dense (got '$2')"
+                     attention=$2 ;;
+        --stages) stages=$2 ;;
+        --extend) [[ $2 =~ ^[0-9]+$ ]] || fail "--extend takes a number of steps (got '$2')"; extend=$2 ;;
+        --eval-lengths) eval_args+=(--lengths "$2") ;;
+        --eval-samples) eval_args+=(--samples "$2") ;;
+      esac
+      shift 2 ;;
+    --) shift; overrides=("$@"); break ;;
+    *) fail "unknown option '$1'; $usage" ;;
+  esac
+done
+for item in "${overrides[@]}"; do
+  [[ $item == *=* ]] || fail "after -- come key=value overrides (got '$item')"
+done
+
+# Stage i trains at stage_seq[i] x stage_batch[i], drawing the lengths stage_mix[i] too, up to step stage_end[i];
+# all stages share one learning-rate schedule of `total` steps.
+total=0 stage_seq=() stage_batch=() stage_mix=() stage_end=()
+IFS=, read -ra stage_list <<< "$stages"
+for stage in "${stage_list[@]}"; do
+  [[ $stage =~ ^([0-9]+)x([0-9]+)((\+[0-9]+)*):([0-9]+)$ ]] ||
+    fail "--stages takes SEQxBATCH[+LENGTH...]:STEPS,... e.g. 1024x64:400,16384x4+65536:1000 (got '$stage')"
+  total=$((total + BASH_REMATCH[5]))
+  mix=${BASH_REMATCH[3]#+}
+  stage_seq+=("${BASH_REMATCH[1]}") stage_batch+=("${BASH_REMATCH[2]}") stage_mix+=("[${mix//+/,}]")
+  stage_end+=("$total")
+done
+((${#stage_end[@]})) || fail "--stages is empty"
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+mkdir -p "$out_arg"
+out=$(cd "$out_arg" && pwd)
+cd "$root"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+config=configs/recipes/$recipe.yaml
+
+train() {  # RUN, then overrides after the user's
+  local run=$1; shift
+  echo "== train $run"
+  python3 -m nsa train "$config" train.out_dir="$out" train.run_name="$run" parallel.compile=false \
+    "${overrides[@]}" "$@"
+}
+
+latest_step() {  # RUN: the step of its latest complete checkpoint, 0 without one
+  local last
+  last=$(ls -d "$out/$1"/checkpoints/step_* 2>/dev/null | sort | tail -1 || true)
+  if [[ -n $last && -f $last/COMPLETE.json ]]; then echo $((10#${last##*step_})); else echo 0; fi
+}
+
+retrieval_run() {  # RUN, then the run's overrides: the curriculum, then --extend
+  local run=$1 i done_steps end last=$((${#stage_end[@]} - 1)); shift
+  for i in "${!stage_end[@]}"; do
+    done_steps=$(latest_step "$run") end=${stage_end[i]}
+    ((done_steps >= end)) && continue
+    train "$run" "$@" train.steps=$total train.seq_len="${stage_seq[i]}" train.batch_size="${stage_batch[i]}" \
+      data.retrieval.mix_lengths="${stage_mix[i]}" train.stop_after=$((end - done_steps))
+  done
+  done_steps=$(latest_step "$run")
+  if ((extend > 0 && done_steps < total + extend)); then
+    train "$run" "$@" train.steps=$((total + extend)) train.seq_len="${stage_seq[last]}" \
+      train.batch_size="${stage_batch[last]}" data.retrieval.mix_lengths="${stage_mix[last]}"
+  fi
+}
+
+runs=()
+IFS=, read -ra models <<< "$attention"
+for ((s = 0; s < seeds; s++)); do
+  for model in "${models[@]}"; do
+    run=$recipe-$model-$((1337 + s))
+    if [[ $recipe == learn ]]; then
+      train "$run" model.attention="$model" train.seed=$((1337 + s))
+    else
+      retrieval_run "$run" model.attention="$model" train.seed=$((1337 + s))
+    fi
+    runs+=("$out/$run")
+  done
+done
+for run in "${runs[@]}"; do
+  echo "== eval $(basename "$run")"
+  if [[ $recipe == learn ]]; then
+    python3 -m nsa eval "$run" --no-progress --tasks none
+  else
+    python3 -m nsa eval "$run" --no-progress --tasks passkey "${eval_args[@]}"
+  fi
+done
+python3 -m nsa compare "${runs[@]}" --out "$out/compare"
+echo "== done: $out/compare/compare.md"
