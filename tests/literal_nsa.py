@@ -1,4 +1,4 @@
-"""A literal, loop-per-query transcription of DESIGN.md section 1, written independently of
+"""A literal, loop-per-query transcription of the NSA contract (docs/design.md), written independently of
 nsa.ops.reference (no shared helpers) so that the two can check each other. Tiny shapes only."""
 
 from __future__ import annotations

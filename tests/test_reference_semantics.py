@@ -1,4 +1,4 @@
-"""The reference against DESIGN.md section 1: dense equivalences and a literal loop implementation."""
+"""The reference against the NSA contract (docs/design.md): dense equivalences and a literal loop implementation."""
 
 import pytest
 import torch
