@@ -29,9 +29,10 @@ cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Every test that needs a GPU: the kernel files whole, and the GPU-only tests of the others.
 python3 -m pytest -q -p no:cacheprovider \
-  tests/test_triton_gpu.py tests/test_triton_decode.py tests/test_triton_phi.py \
-  "tests/test_model.py::test_a_pinned_dense_kernel_runs_on_the_gpu_forward_and_backward" \
-  "tests/test_train.py::test_cuda_graph_steps_give_the_compiled_steps_losses" \
-  "tests/test_data_sources.py::test_prefetch_pins_batches_for_a_gpu_so_the_copy_is_queued" \
+  tests/ops/test_triton_gpu.py tests/ops/test_triton_decode.py tests/ops/test_triton_phi.py \
+  "tests/model/test_model.py::test_a_pinned_dense_kernel_runs_on_the_gpu_forward_and_backward" \
+  "tests/train/test_train.py::test_cuda_graph_steps_give_the_compiled_steps_losses" \
+  "tests/train/test_train.py::test_deterministic_runs_repeat_and_resume_bit_for_bit" \
+  "tests/data/test_data_sources.py::test_prefetch_pins_batches_for_a_gpu_so_the_copy_is_queued" \
   2>&1 | tee "$out/gpu_tests.log"
 python3 -m nsa bench attention --shapes m7c,paper --lengths "$lengths" --out "$out" "$@" 2>&1 | tee "$out/bench.log"

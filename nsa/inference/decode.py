@@ -2,7 +2,7 @@
 
 Both walk the Transformer's own modules (embedding, blocks' attn_norm / attn / mlp_norm / mlp,
 final norm, lm_head) and repeat the attention layers' forward math around the cache, so a
-decoded token's logits equal the full forward's at its position (tests/test_decode.py).
+decoded token's logits equal the full forward's at its position (tests/inference/test_decode.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_readme import bash_blocks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # A process in which `import triton` fails as it does where the package is absent.
 BLOCK_TRITON = textwrap.dedent("""

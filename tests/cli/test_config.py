@@ -11,7 +11,7 @@ from nsa.errors import ConfigError
 from nsa.model import m7c
 from nsa.typed_config import apply_overrides, field_docs, to_dict
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def all_dataclasses(cls, seen=None):

@@ -20,7 +20,7 @@ from nsa.telemetry.run_files import read_jsonl as read_events
 from nsa.train.loop import train
 from nsa.typed_config import from_dict
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 FAST = [
     "model.dim=64", "model.n_layers=2", "model.mlp_hidden=192", "model.head_dim=16",

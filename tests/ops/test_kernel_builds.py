@@ -1,7 +1,7 @@
 """The kernels compile for sm_90 without a GPU (Triton's own ptxas, outside the interpreter): every kernel that
 benchmarks/offline_compile.py lists, with no GPU-wide fence in any of them, and the Gluon kernels, which have no CPU
 interpreter, so this compile is what a machine without a GPU can check of them (their numbers are checked on the
-GPU, tests/test_triton_gpu.py)."""
+GPU, tests/ops/test_triton_gpu.py)."""
 
 import importlib.util
 import os
@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _offline_compile():

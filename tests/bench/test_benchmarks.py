@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 
 
@@ -187,7 +187,7 @@ def test_every_test_gpu_check_runs_exists():
     """gpu_check.sh names test files and single tests: each must still be collected."""
     text = (BENCHMARKS / "gpu_check.sh").read_text()
     tests = [word for word in shlex.split(text, comments=True) if word.startswith("tests/")]
-    assert len(tests) >= 4 and "tests/test_triton_gpu.py" in tests
+    assert len(tests) >= 4 and "tests/ops/test_triton_gpu.py" in tests
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *tests],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

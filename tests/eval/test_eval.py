@@ -28,7 +28,7 @@ from nsa.model import Transformer
 from nsa.model.config import ModelConfig
 from nsa.train.loop import train
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = [
     "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",

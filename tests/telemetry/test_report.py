@@ -14,7 +14,7 @@ from nsa.errors import UserError
 from nsa.telemetry.report import gate_warnings, render_report, stale_ranks, summary_markdown
 from nsa.telemetry.run_files import layer_series, load_run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIELDS = ["step", "tokens", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "mem_gb", "data_wait"]
 VAL = {20: 4.5, 40: 3.25, 60: 3.5}  # the best is at step 40, not the last eval
