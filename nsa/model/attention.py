@@ -11,6 +11,7 @@ from ..errors import ConfigError
 from ..ops import nsa_attention, select_blocks
 from .compression import BlockCompressor, compress_pair
 from .config import ModelConfig
+from .documents import Documents
 from .rope import apply_rope
 
 BRANCHES = ("cmp", "sel", "win")
@@ -93,17 +94,32 @@ class NSAAttention(nn.Module):
             out[f"v_{branch}"] = values[:, :, kv_set]
         return out
 
-    def selected_blocks(self, p: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Block indices [B,T,G,n] the selected branch attends to, for project()'s outputs p (statistics, eval)."""
-        return select_blocks(p["q"], self.compress_k(p["k_cmp"]), geometry=self.geometry, backend=self.cfg.nsa.backend)
+    def selected_blocks(self, p: dict[str, torch.Tensor], documents: Documents | None = None) -> torch.Tensor:
+        """Block indices [B,T,G,n] the selected branch attends to, for project()'s outputs p (statistics, eval);
+        with documents, [1, B*T, G, n] document-relative ones."""
+        p, cu_seqlens = _packed(p, documents)
+        return select_blocks(p["q"], self.compress_k(p["k_cmp"], cu_seqlens), geometry=self.geometry,
+                             backend=self.cfg.nsa.backend, cu_seqlens=cu_seqlens)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        """x [B,T,dim] -> [B,T,dim]. With documents (packed sequences), cos/sin are at document-relative positions
+        and every document is its own sequence: the batch runs as one packed stream of B*T tokens."""
         b, t, _ = x.shape
-        p = self.project(x, cos, sin)
-        k_cmp, v_cmp = compress_pair(self.compress_k, self.compress_v, p["k_cmp"], p["v_cmp"])
+        p, cu_seqlens = _packed(self.project(x, cos, sin), documents)
+        k_cmp, v_cmp = compress_pair(self.compress_k, self.compress_v, p["k_cmp"], p["v_cmp"], cu_seqlens)
         o = nsa_attention(p["q"], k_cmp, v_cmp, p["k_sel"], p["v_sel"], p["k_win"], p["v_win"],
-                          p["gates"].to(p["q"].dtype), geometry=self.geometry, backend=self.cfg.nsa.backend)
+                          p["gates"].to(p["q"].dtype), geometry=self.geometry, backend=self.cfg.nsa.backend,
+                          cu_seqlens=cu_seqlens)
         return self.wo(o.reshape(b, t, self.n_heads * self.head_dim))
+
+
+def _packed(p: dict[str, torch.Tensor], documents: Documents | None) -> tuple[dict[str, torch.Tensor],
+                                                                                torch.Tensor | None]:
+    """project()'s outputs as one packed stream [1, B*T, ...] and its boundaries; unchanged without documents."""
+    if documents is None:
+        return p, None
+    return {name: value.flatten(0, 1).unsqueeze(0) for name, value in p.items()}, documents.cu_seqlens
 
 
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,

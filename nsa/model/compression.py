@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.geometry import num_compressed_blocks, packed_block_starts
+
 
 class BlockCompressor(nn.Module):
     """Compress x [B,T,G,D] into [B,Nc,G,D], block i covering tokens [i*d, i*d + l).
@@ -34,19 +36,36 @@ class BlockCompressor(nn.Module):
             nn.init.normal_(self.fc1.weight, std=std)
             nn.init.zeros_(self.fc2.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """[B,Nc,G,D]; with cu_seqlens (packed documents, x [1,total,G,D]), [1, Nc(total), G, D] holding each
+        document's compressed tokens back to back in document order and zeros after them
+        (docs/design.md#packed-documents)."""
         b, t, g, d = x.shape
         if t < self.block_len:
             return x.new_zeros(b, 0, g, d)
+        if cu_seqlens is not None:
+            return self._packed(x, cu_seqlens)
         if self._on_triton(x):
             from ..ops.triton.compression import phi_mlp_triton
 
             return phi_mlp_triton((x,), (self.mlp_weights,), self.block_len, self.block_stride)[0]
-        blocks = x.unfold(1, self.block_len, self.block_stride).transpose(-1, -2)  # [B,Nc,G,l,D]
+        return self._pool(x.unfold(1, self.block_len, self.block_stride).transpose(-1, -2))
+
+    def _pool(self, blocks: torch.Tensor) -> torch.Tensor:
+        """phi of blocks [B,Nc,G,l,D] -> [B,Nc,G,D]."""
         mean = blocks.mean(dim=-2)
         if self.kind == "mean":
             return mean
         return mean + self.fc2(nn.functional.silu(self.fc1((blocks + self.pos).flatten(-2))))
+
+    def _packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Blocks gathered inside each document (no Python loop over documents), then pooled."""
+        total = x.shape[1]
+        rows = num_compressed_blocks(total, self.block_len, self.block_stride)  # enough for any packing
+        starts, valid = packed_block_starts(cu_seqlens, self.block_len, self.block_stride, rows)
+        tokens = (starts[:, None] + torch.arange(self.block_len, device=x.device)).clamp(max=total - 1)
+        blocks = x[0, tokens].permute(0, 2, 1, 3).unsqueeze(0)  # [1, rows, G, l, D]
+        return torch.where(valid[None, :, None, None], self._pool(blocks), 0.0)
 
     @property
     def signature(self) -> tuple:
@@ -71,10 +90,12 @@ class BlockCompressor(nn.Module):
         return phi_mlp_supports(self.block_len, self.block_stride)
 
 
-def compress_pair(first: BlockCompressor, second: BlockCompressor, x: torch.Tensor,
-                  y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compress_pair(first: BlockCompressor, second: BlockCompressor, x: torch.Tensor, y: torch.Tensor,
+                  cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(first(x), second(y)); where both run as the Triton kernels on inputs of one shape, type and geometry (the
     keys and values of M7C), as one launch per kernel."""
+    if cu_seqlens is not None:
+        return first(x, cu_seqlens), second(y, cu_seqlens)
     same = (x.shape == y.shape and x.dtype == y.dtype and x.shape[1] >= first.block_len
             and first.signature == second.signature)
     if same and first._on_triton(x) and second._on_triton(y):

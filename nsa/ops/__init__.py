@@ -13,11 +13,12 @@
 
 from . import reference
 from .api import BACKENDS, nsa_attention, select_blocks
-from .geometry import NSAGeometry, num_compressed_blocks, num_selection_blocks
+from .geometry import NSAGeometry, compressed_offsets, num_compressed_blocks, num_selection_blocks
 
 __all__ = [
     "BACKENDS",
     "NSAGeometry",
+    "compressed_offsets",
     "nsa_attention",
     "select_blocks",
     "reference",

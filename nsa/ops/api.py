@@ -57,6 +57,7 @@ def nsa_attention(
     scale: float | None = None,
     backend: str = "auto",
     geometry: NSAGeometry | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Native Sparse Attention output [B,T,H,Dv] (docs/design.md#public-api).
 
@@ -64,10 +65,18 @@ def nsa_attention(
     v_win [B,T,G,D]; gates [B,T,H,3] in (cmp, sel, win) order, already in [0, 1] (the CUDA backward folds
     each gate into its branch's log-sum-exp as ln g, so a gate <= 0 passes its branch no gradient).
     The geometry is the five keywords or `geometry` (one form, not both). Differentiable in every tensor argument.
+
+    Packed documents: with cu_seqlens (int32 [N+1]), q and the raw keys, values and gates are [1, total, ...],
+    k_cmp/v_cmp [1, C, G, D] hold each document's compressed tokens back to back from
+    `compressed_offsets(cu_seqlens, geometry)` on, and every document is its own sequence
+    (docs/design.md#packed-documents).
     """
     geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
                              n_sel=n_sel, window=window)
-    check_nsa_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry)
+    check_nsa_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, cu_seqlens)
+    if cu_seqlens is not None:
+        return reference.nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry=geometry,
+                                       scale=scale, cu_seqlens=cu_seqlens)
     if resolve_backend(backend, q.device, q.shape[1]) == "triton":
         from .custom_ops import nsa_attention_kernels
 
@@ -88,12 +97,16 @@ def select_blocks(
     scale: float | None = None,
     backend: str = "auto",
     geometry: NSAGeometry | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selected block indices [B,T,G,n] (int64, ascending, unused slots -1); the geometry as four keywords or
-    `geometry` (its window unused)."""
+    `geometry` (its window unused). With cu_seqlens, the document-relative blocks of each packed document
+    (q [1,total,H,Dk], k_cmp as nsa_attention takes it)."""
     geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
                              n_sel=n_sel)
-    check_select_inputs(q, k_cmp, geometry)
+    check_select_inputs(q, k_cmp, geometry, cu_seqlens)
+    if cu_seqlens is not None:
+        return reference.select_blocks(q, k_cmp, geometry=geometry, scale=scale, cu_seqlens=cu_seqlens)
     if resolve_backend(backend, q.device, q.shape[1]) == "triton":
         from .custom_ops import select_blocks_kernels
 

@@ -12,12 +12,15 @@ All arithmetic runs in at least float32; outputs come back in q's dtype.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .geometry import NSAGeometry, compressed_block_ends, geometry_from, num_selection_blocks, overlap_matrix
-from .validation import check_nsa_inputs
+from .geometry import (NSAGeometry, compressed_block_ends, compressed_offsets, geometry_from, num_selection_blocks,
+                       overlap_matrix)
+from .validation import check_nsa_inputs, document_bounds
 
 QUERY_CHUNK = 256
 """Queries per chunk: bounds the live score matrix to [QUERY_CHUNK, keys] per head."""
@@ -197,11 +200,16 @@ def select_blocks(
     n_sel: int | None = None,
     scale: float | None = None,
     geometry: NSAGeometry | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selected block indices [B,T,G,n] (docs/design.md#top-n-selection); the geometry as four keywords or
-    `geometry` (its window unused)."""
+    `geometry` (its window unused). With cu_seqlens, document-relative indices of each packed document
+    (docs/design.md#packed-documents)."""
     geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
                              n_sel=n_sel)
+    if cu_seqlens is not None:
+        return _per_document(lambda q, k_cmp: select_blocks(q, k_cmp, geometry=geometry, scale=scale),
+                             cu_seqlens, geometry, {"q": q}, {"k_cmp": k_cmp})
     scores = selection_scores(q, k_cmp, block_len=geometry.block_len, block_stride=geometry.block_stride,
                               sel_block=geometry.sel_block, scale=scale)
     return top_n_blocks(scores, sel_block=geometry.sel_block, n_sel=geometry.n_sel)
@@ -293,16 +301,24 @@ def nsa_attention(
     scale: float | None = None,
     indices: torch.Tensor | None = None,
     geometry: NSAGeometry | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """o [B,T,H,Dv] = sum over branches c of gates[..., c] * o_c (docs/design.md#gates-and-output).
 
     The geometry comes as the five keywords or as `geometry`. `indices` replaces the selection (e.g. to check a
     fast path's output on its own choice of near-tied blocks); by default the blocks are selected as the contract
-    says.
+    says. With cu_seqlens, q and the raw keys/values are [1, total, ...] and each packed document is its own
+    sequence (docs/design.md#packed-documents).
     """
     geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
                              n_sel=n_sel, window=window)
-    check_nsa_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry)
+    check_nsa_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, cu_seqlens)
+    if cu_seqlens is not None:
+        raw = {"q": q, "k_sel": k_sel, "v_sel": v_sel, "k_win": k_win, "v_win": v_win, "gates": gates}
+        if indices is not None:
+            raw["indices"] = indices
+        return _per_document(partial(nsa_attention, geometry=geometry, scale=scale), cu_seqlens, geometry, raw,
+                             {"k_cmp": k_cmp, "v_cmp": v_cmp})
     out_dtype = q.dtype
     if q.shape[1] == 0:  # empty sequence: an empty output, still connected to every input
         tie = sum(t.sum() for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))
@@ -319,3 +335,26 @@ def nsa_attention(
     o_win = window_attention(q, k_win, v_win, window=geometry.window, scale=scale)
     g = gates.unsqueeze(-1)
     return (g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win).to(out_dtype)
+
+
+# ---------------------------------------------------------------- packed documents
+
+
+def _per_document(fn, cu_seqlens: torch.Tensor, geometry: NSAGeometry, raw: dict[str, torch.Tensor],
+                  compressed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """fn(**tensors) run on each packed document alone, the outputs concatenated along the tokens: the definition
+    of the packed ops (docs/design.md#packed-documents). `raw` tensors are [1, total, ...] and are cut at the
+    document's tokens, `compressed` ones [1, C, ...] at its compressed rows."""
+    total = next(iter(raw.values())).shape[1]
+    document_bounds(cu_seqlens, total)  # checks the boundaries
+    bounds = cu_seqlens.tolist()
+    offsets = compressed_offsets(cu_seqlens, geometry).tolist()
+    pieces = []
+    for doc, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        if end > start:
+            tensors = {name: t[:, start:end] for name, t in raw.items()}
+            tensors |= {name: t[:, offsets[doc]:offsets[doc + 1]] for name, t in compressed.items()}
+            pieces.append(fn(**tensors))
+    if not pieces:  # no token at all: the unpacked op's empty output, still connected to every input
+        return fn(**{name: t[:, :0] for name, t in (raw | compressed).items()})
+    return torch.cat(pieces, dim=1)
