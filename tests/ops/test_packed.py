@@ -154,3 +154,30 @@ def test_packed_inputs_must_be_one_stream():
     doubled = [torch.cat([t, t]) for t in tensors]
     with pytest.raises(ValueError, match=r"one packed sequence \[1, total, H, Dk\]"):
         nsa_attention(*doubled, geometry=geometry, cu_seqlens=cu)
+
+
+def test_the_packed_layout_tables_locate_every_document():
+    from nsa.ops.packing import packed_layout, selection_block_capacity
+
+    geometry = NSAGeometry(block_len=4, block_stride=2, sel_block=4, n_sel=3, window=5)
+    lengths = [1, 5, 0, 11, 3, 0]
+    cu = torch.tensor([0, 1, 6, 6, 17, 20, 20], dtype=torch.int32)
+    total, rows = 20, geometry.num_compressed_blocks(20)
+    layout = packed_layout(cu, geometry, total, rows)
+    starts = [0] + [1] * 5 + [6] * 11 + [17] * 3
+    assert layout.doc_start.tolist() == starts
+    assert layout.doc_end.tolist() == [1] + [6] * 5 + [17] * 11 + [20] * 3
+    # Compressed rows: document 1 (5 tokens) has one block (tokens 1-4), document 3 (11 tokens) four (6-9,
+    # 8-11, 10-13, 12-15); the other rows hold none.
+    assert layout.cmp_start.tolist() == [0] + [0] * 5 + [1] * 11 + [5] * 3
+    assert layout.cmp_ready.tolist() == [4, 9, 11, 13, 15] + [20] * (rows - 5)
+    assert layout.cmp_doc_end.tolist() == [6, 17, 17, 17, 17] + [20] * (rows - 5)
+    # Selection blocks of 4: document 0 one (0), document 1 two (1-4, 5), document 3 three (6-9, 10-13, 14-16),
+    # document 4 one (17-19).
+    assert layout.sel_start.tolist() == [0] + [1] * 5 + [3] * 11 + [6] * 3
+    capacity = selection_block_capacity(total, len(lengths) + 1, 4)
+    assert layout.num_blocks == capacity
+    used = 7
+    assert layout.block_start.tolist()[:used] == [0, 1, 5, 6, 10, 14, 17]
+    assert layout.block_end.tolist()[:used] == [1, 5, 6, 10, 14, 17, 20]
+    assert layout.block_start.tolist()[used:] == layout.block_end.tolist()[used:]
