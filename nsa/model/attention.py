@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from ..errors import ConfigError
 from ..ops import nsa_attention, select_blocks
@@ -128,7 +132,9 @@ SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_
 
 
 class DenseAttention(nn.Module):
-    """Causal grouped-query attention through PyTorch SDPA: the baseline NSA is measured against."""
+    """Causal grouped-query attention: the baseline NSA is measured against. Through PyTorch SDPA (the kernel
+    model.dense_backend names), or, for packed documents, attending within each document only (document_attention).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -138,13 +144,63 @@ class DenseAttention(nn.Module):
         self.wkv = nn.Linear(cfg.dim, 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
         k, v = self.wkv(x).view(b, t, 2, self.n_kv_heads, self.head_dim).unbind(2)
         k = apply_rope(k, cos, sin)
-        o = dense_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.backend)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if documents is None:
+            o = dense_sdpa(q, k, v, self.backend)
+        else:
+            o = document_attention(q, k, v, documents.ids.view(b, t))
         return self.wo(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+# Packed documents are attended per row, [B, heads, T, D] as for SDPA, with a mask over [B, T, T]: rows never
+# share a document, so the flattened batch's [B*T, B*T] mask would only add B - 1 empty blocks per query block
+# (B times the mask to build) for the same result. B and T are the batch's, fixed for a run, so the mask's shape
+# is static under torch.compile and CUDA graphs; only its content (the document ids) changes per batch.
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention of [B, heads, T, D] tensors within documents: the query at t of row b sees
+    the keys s <= t with ids[b, s] == ids[b, t] (ids [B, T]: each token's document, nsa.model.documents).
+
+    On a GPU through FlexAttention, whose block mask skips the blocks no query of a block may see; elsewhere
+    through SDPA with the mask in full (FlexAttention has no backward on the CPU, and its CPU forward outside
+    torch.compile materialises every score anyway).
+    """
+    if q.device.type != "cuda":
+        return masked_document_sdpa(q, k, v, ids)
+    if torch.compiler.is_compiling():  # inside a compiled block: compiled with it
+        return flex_document_attention(q, k, v, ids)
+    return compiled_flex_document_attention()(q, k, v, ids)  # eager FlexAttention would materialise every score
+
+
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """document_attention through FlexAttention (compile it for a fused kernel)."""
+
+    def causal_same_document(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
+        return (kv_idx <= q_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+
+    mask = create_block_mask(causal_same_document, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+@functools.cache
+def compiled_flex_document_attention() -> Callable[..., torch.Tensor]:
+    """flex_document_attention compiled on its own (for eager callers), made on first use: importing
+    torch.compile's machinery takes seconds."""
+    return torch.compile(flex_document_attention, dynamic=False)
+
+
+def masked_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """document_attention through SDPA with the [B, 1, T, T] mask written out."""
+    t = q.shape[2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    mask = (ids[:, None, :, None] == ids[:, None, None, :]) & causal
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:

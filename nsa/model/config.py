@@ -53,7 +53,9 @@ class ModelConfig:
     """SDPA kernel of the dense model's attention in training: 'auto' lets PyTorch choose for the GPU; 'flash' is
     FlashAttention-2, the dense reference of docs/performance.md. A kernel that cannot run the model's attention
     stops the run with an error naming this key. A checkpoint loaded for generation or evaluation goes back to
-    'auto' (the kernel is the training machine's, not the model's)."""
+    'auto' (the kernel is the training machine's, not the model's). Batches of packed documents
+    (data.document_masking) are attended through FlexAttention on a GPU (SDPA with the mask written out
+    elsewhere), whatever this says."""
     vocab_size: int = 0
     """Embedding rows; 0 takes the tokenizer's vocabulary padded up to a multiple of 64."""
     dim: int = 128

@@ -11,6 +11,7 @@ from torch import nn
 from .attention import DenseAttention, NSAAttention
 from .compression import BlockCompressor
 from .config import ModelConfig
+from .documents import Documents
 from .rope import RotaryEmbedding
 
 
@@ -45,8 +46,9 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, documents=documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -87,22 +89,29 @@ class Transformer(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """The final normed hidden states [B,T,dim] for tokens [B,T]; `lm_head` of them gives the logits.
 
+        With cu_seqlens (int32 document boundaries over the B*T tokens, docs/design.md#packed-documents), each
+        document is its own sequence: positions restart at 0 and no token attends across a boundary.
         Evaluation reads logits at a few positions only: at 64k tokens and the GPT-2 vocabulary the full
         logits would take gigabytes.
         """
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        b, t = tokens.shape
+        documents = None if cu_seqlens is None else Documents.from_cu_seqlens(cu_seqlens, b, t)
+        # cos/sin [T,1,D/2] of positions 0..T-1, or [B,T,1,D/2] of each token's position in its document.
+        positions = torch.arange(t, device=tokens.device) if documents is None else documents.positions
         cos, sin = self.rope(positions)
         x = self.tok_emb(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, documents)
         return self.norm(x)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B,T,V] for tokens [B,T]; with targets, the mean cross-entropy (targets -1 ignored)."""
-        h = self.hidden(tokens)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B,T,V] for tokens [B,T]; with targets, the mean cross-entropy (targets -1 ignored); with
+        cu_seqlens, over packed documents (see hidden)."""
+        h = self.hidden(tokens, cu_seqlens)
         if targets is None:
             return self.lm_head(h)
         # The weight goes in as an argument: under FSDP2 it is the gathered parameter only during forward.
