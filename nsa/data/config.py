@@ -73,3 +73,15 @@ class DataConfig:
     """Fail with a clear message if the first batch takes longer than this (e.g. an unreachable dataset)."""
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     """The task of data.source='retrieval'."""
+    document_masking: bool | Literal["auto"] = "auto"
+    """Attend within each document only: every batch carries its document boundaries (a document starts at each
+    sequence start and after each end-of-text token; for 'retrieval', each example is one), and each document is
+    its own sequence, its positions starting at 0. 'auto': on for every source but 'synthetic', whose random
+    tokens are no documents. false: documents packed into a sequence attend to each other across the
+    end-of-text token, with positions running over the whole sequence. Fixed on resume (docs/data.md)."""
+
+    def masks_documents(self) -> bool:
+        """Whether batches carry document boundaries (document_masking with 'auto' decided for the source)."""
+        if self.document_masking == "auto":
+            return self.source != "synthetic"
+        return self.document_masking

@@ -3,7 +3,8 @@ synthetic retrieval examples.
 
 Every batch stream is deterministic given (seed, rank, world size) and exposes the exact
 position after the last batch it returned (`state_dict`), so a resumed run continues
-with the very next batch. `Prefetcher` runs a stream on a background thread.
+with the very next batch. `Prefetcher` runs a stream on a background thread. A batch is
+(inputs, targets), or with data.document_masking (inputs, targets, cu_seqlens): see `split_batch`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import copy
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from .boundaries import boundaries_for
 from .retrieval import TASKS, RetrievalTasks, example_rng
 from .config import DataConfig
 from .packing import build_splits
@@ -26,7 +28,15 @@ from .shards import ShardWindows, load_meta
 from .sources import open_stream
 from .tokenizers import Tokenizer
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
+"""(x, y): inputs and next-token targets [B, T] (int64; a target of -1 is ignored); with document masking,
+(x, y, cu_seqlens): the document boundaries too (int32 [B * T + 1], nsa.data.boundaries)."""
+
+
+def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(x, y, cu_seqlens) of a batch; cu_seqlens is None for a batch without document boundaries."""
+    x, y, *boundaries = batch
+    return x, y, boundaries[0] if boundaries else None
 
 
 class BatchStream(Protocol):
@@ -233,6 +243,24 @@ class RetrievalBatches:
         self.counter = int(state["counter"])
 
 
+class WithBoundaries:
+    """A stream whose batches gain their document boundaries (computed on the producer thread); the position is
+    the wrapped stream's, so resuming stays exact."""
+
+    def __init__(self, stream: BatchStream, boundaries: Callable[[torch.Tensor], torch.Tensor]):
+        self.stream, self.boundaries = stream, boundaries
+
+    def next_batch(self) -> Batch:
+        x, y = self.stream.next_batch()
+        return x, y, self.boundaries(x)
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+
 CLOSE_TIMEOUT_S = 10.0
 """How long Prefetcher.close waits for the batch being produced (a stream stuck on the network is left behind)."""
 
@@ -348,12 +376,26 @@ def _window_val_batches(windows: Windows | None, batch_size: int, n_batches: int
 
 def build_data(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: int, eval_batches: int, seed: int,
                rank: int = 0, world: int = 1) -> Data:
+    """A rank's training stream (not started) and validation batches; with document masking
+    (DataConfig.masks_documents) every batch carries its document boundaries."""
+    stream, val, name, description = _source_batches(cfg, tokenizer, seq_len, batch_size, eval_batches, seed, rank,
+                                                     world)
+    if cfg.masks_documents():
+        boundaries = boundaries_for(cfg.source, tokenizer.eot_id)
+        stream = WithBoundaries(stream, boundaries)
+        val = [(x, y, boundaries(x)) for x, y in val]
+        description += "; attention masked per document"
+    return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, name), val, description)
+
+
+def _source_batches(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: int, eval_batches: int,
+                    seed: int, rank: int, world: int) -> tuple[BatchStream, list[Batch], str, str]:
+    """(training stream, validation batches, source name for messages, description) of data.source."""
     if cfg.source == "synthetic":
         stream = SyntheticBatches(tokenizer.vocab_size, seq_len, batch_size, seed, rank)
         val_stream = SyntheticBatches(tokenizer.vocab_size, seq_len, batch_size, seed + 1_000_003, rank)
         val = [val_stream.next_batch() for _ in range(eval_batches)] if cfg.val_fraction > 0 else []
-        return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, "synthetic"), val,
-                    f"synthetic tokens (vocab {tokenizer.vocab_size})")
+        return stream, val, "synthetic", f"synthetic tokens (vocab {tokenizer.vocab_size})"
     if cfg.source == "retrieval":
         tasks = RetrievalTasks(tokenizer, cfg.retrieval.kv_pairs)
         answer_only = cfg.retrieval.loss == "answer"
@@ -363,9 +405,8 @@ def build_data(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: 
         # Validation examples come from another seed, so they never repeat a training example.
         val_stream = RetrievalBatches(tasks, cfg.retrieval.task, seq_len, batch_size, seed + 1_000_003, rank, **shape)
         val = [val_stream.next_batch() for _ in range(eval_batches)] if cfg.val_fraction > 0 else []
-        return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, "retrieval"), val,
-                    f"synthetic {cfg.retrieval.task} retrieval examples ({tokenizer.name} tokens; loss on "
-                    f"{'the answer' if answer_only else 'every token'})")
+        return stream, val, "retrieval", (f"synthetic {cfg.retrieval.task} retrieval examples ({tokenizer.name} "
+                                          f"tokens; loss on {'the answer' if answer_only else 'every token'})")
     if cfg.source in ("jsonl", "parquet", "hf"):
         stream = StreamBatches(cfg, tokenizer, seq_len, batch_size, rank, world, "train")
         val = []
@@ -373,8 +414,7 @@ def build_data(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: 
             val_stream = StreamBatches(cfg, tokenizer, seq_len, batch_size, rank, world, "val")
             val = [val_stream.next_batch() for _ in range(eval_batches)]
         name = cfg.hf_name or cfg.path
-        return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, name), val,
-                    f"{cfg.source} stream '{name}' ({tokenizer.name} tokens)")
+        return stream, val, name, f"{cfg.source} stream '{name}' ({tokenizer.name} tokens)"
     if cfg.source == "shards":
         meta = load_meta(cfg.path)
         if meta["tokenizer"] != tokenizer.name:
@@ -391,5 +431,4 @@ def build_data(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, batch_size: 
         description = f"{cfg.source} ({tokenizer.name} tokens): {len(train_windows.tokens):,} train / {n_val:,} val tokens"
     stream = WindowBatches(train_windows, batch_size, seed, rank, world)
     val = _window_val_batches(val_windows, batch_size, eval_batches, rank, world)
-    return Data(Prefetcher(stream, cfg.prefetch, cfg.first_batch_timeout_s, cfg.path or cfg.source), val, description)
-
+    return stream, val, cfg.path or cfg.source, description
