@@ -175,12 +175,13 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
 
 def _run_config(config: dict, overrides: list[str]):
     from ..config import RunConfig
+    from ..train.resume_rules import with_added_keys
     from ..typed_config import apply_overrides, from_dict
 
     for item in overrides:
         if not item.startswith("data."):
             raise UserError(f"'{item}': nsa eval takes overrides of the data section only (data.key=value)")
-    cfg = apply_overrides(from_dict(RunConfig, config), overrides)
+    cfg = apply_overrides(from_dict(RunConfig, with_added_keys(config)), overrides)
     cfg.validate()
     return cfg
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..data.loader import Batch, split_batch
 from ..inference.sampler import greedy
 from ..train.loop import autocast_context
 
@@ -69,14 +70,15 @@ class ValidationLoss:
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                    device: torch.device) -> ValidationLoss | None:
-    """The trainer's loss (mean cross-entropy per token) over held-out (inputs, targets) batches, each batch
-    weighted equally as in training's validation; None without batches."""
+def validation_loss(model: nn.Module, batches: Iterable[Batch], device: torch.device) -> ValidationLoss | None:
+    """The trainer's loss (mean cross-entropy per token) over held-out (inputs, targets[, cu_seqlens]) batches,
+    each batch weighted equally as in training's validation; None without batches."""
     losses, tokens = [], 0
-    for x, y in batches:
+    for batch in batches:
+        x, y, cu_seqlens = split_batch(batch)
+        args = (x.to(device), y.to(device)) + (() if cu_seqlens is None else (cu_seqlens.to(device),))
         with autocast_context("auto", device):
-            losses.append(float(model(x.to(device), y.to(device)).float()))
+            losses.append(float(model(*args).float()))
         tokens += int((y != -1).sum())  # ignored targets (-1) do not count
     if not losses:
         return None

@@ -25,7 +25,7 @@ import yaml
 from tqdm import tqdm
 
 from ..config import RunConfig
-from ..data.loader import Data, build_data
+from ..data.loader import Batch, Data, build_data, split_batch
 from ..data.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
 from ..errors import Interrupted, UserError
 from ..inference.generate import generate_text
@@ -42,7 +42,7 @@ from .config import ParallelConfig
 from .distributed import DistInfo, all_reduce_mean, any_rank, check_same_config, init_distributed, shutdown
 from .optim import apply_hyperparameters, build_optimizer, build_scheduler
 from .parallel import apply_parallelism, gradient_sync, resolve_mode, uncompiled, unwrap
-from .resume_rules import config_changes, describe, split_changes
+from .resume_rules import config_changes, describe, split_changes, with_added_keys
 from .run_folder import RunFolder, claim_run_folder, discard_unused
 from .signals import StopSignals, exit_code
 from .stop import StopDecision, StopRequests
@@ -212,12 +212,12 @@ class Trainer:
         if path is None:
             return None
         meta = checkpoint.verify(path)
-        fixed, applied = split_changes(config_changes(meta["config"], to_dict(self.cfg)))
+        fixed, applied = split_changes(config_changes(with_added_keys(meta["config"]), to_dict(self.cfg)))
         if fixed:
             raise UserError(
                 f"cannot resume from {path}: it was trained with other settings that shape the model or the data "
-                f"stream ({describe(fixed)}); drop those overrides to continue it, or start a new run "
-                "(another train.run_name, or checkpoint.resume=none)")
+                f"stream ({describe(fixed)}); set those back to the checkpoint's values to continue it, or start a "
+                "new run (another train.run_name, or checkpoint.resume=none)")
         state = checkpoint.load(path, self.model, self.optimizer, self.info)
         exact = state is not None
         if not exact:
@@ -260,6 +260,18 @@ class Trainer:
         if self.parallel.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
 
+    def _on_device(self, batch: Batch, non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                            torch.Tensor | None]:
+        """(x, y, cu_seqlens or None) of a batch, on the training device."""
+        x, y, cu_seqlens = split_batch(batch)
+        device = self.info.device
+        return (x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking),
+                None if cu_seqlens is None else cu_seqlens.to(device, non_blocking=non_blocking))
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """The model's loss; without document boundaries called as (x, y) alone, as before they existed."""
+        return self.model(x, y) if cu_seqlens is None else self.model(x, y, cu_seqlens)
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; (loss, grad norm) stay on the device."""
         t = self.cfg.train
@@ -268,12 +280,12 @@ class Trainer:
         total = torch.zeros((), device=self.info.device)
         for micro in range(t.grad_accum):
             waited = time.perf_counter()
-            x, y = self.data.train.next_batch()
+            batch = self.data.train.next_batch()
             self.data_wait_s += time.perf_counter() - waited
-            x, y = x.to(self.info.device, non_blocking=True), y.to(self.info.device, non_blocking=True)
+            x, y, cu_seqlens = self._on_device(batch, non_blocking=True)
             with gradient_sync(self.model, self.mode, micro == t.grad_accum - 1):
                 with self._autocast():
-                    loss = self.model(x, y) / t.grad_accum
+                    loss = self._loss(x, y, cu_seqlens) / t.grad_accum
                 loss.backward()
             total += loss.detach()
         self.last_batch = x
@@ -294,11 +306,12 @@ class Trainer:
             return None
         self.model.eval()
         losses = []
-        for x, y in self.data.val:
+        for batch in self.data.val:
             self._new_graph_step()
+            x, y, cu_seqlens = self._on_device(batch)
             with self._autocast():
                 # A copy: under parallel.cudagraphs the next batch's replay overwrites the graph's output.
-                losses.append(self.model(x.to(self.info.device), y.to(self.info.device)).float().clone())
+                losses.append(self._loss(x, y, cu_seqlens).float().clone())
         self.model.train()
         return all_reduce_mean(torch.stack(losses).mean(), self.info).item()
 
@@ -311,6 +324,7 @@ class Trainer:
         if not (self.health_step is None or is_last or self.step // every > self.health_step // every):
             return None
         self.health_step = self.step
+        # One sequence, unpacked: under document masking the probe reads the slice as a single document.
         tokens = self.last_batch[:1, : self.cfg.telemetry.health_tokens]
         with self._autocast():
             sums = health.probe(self.model, tokens)

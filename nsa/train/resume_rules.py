@@ -10,6 +10,7 @@ run at a longer context, and its stream continues from the saved position in the
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 FIXED = "fixed"
@@ -32,6 +33,10 @@ stage (configs/recipes/retrieval.yaml)."""
 
 _RUN_IDENTITY = ("train.out_dir", "train.run_name", "checkpoint.resume")
 """Keys that say where the run lives and what it resumes from, not how it trains: never reported as changes."""
+
+ADDED_KEYS: dict[str, Any] = {"data.document_masking": False}
+"""Keys added to the config whose default does something other than what runs saved before them did, with the
+value that reproduces those runs: a saved config that lacks such a key is read with this value."""
 
 RULE_DOCS = {
     FIXED: "on resume: fixed (shapes the model or the data stream; a changed value is refused)",
@@ -57,6 +62,18 @@ def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(value, name + "."))
         else:
             out[name] = value
+    return out
+
+
+def with_added_keys(saved: dict) -> dict:
+    """A saved config mapping with every ADDED_KEYS key it lacks set to the value its run trained with."""
+    out = copy.deepcopy(saved)
+    for key, value in ADDED_KEYS.items():
+        *sections, name = key.split(".")
+        node = out
+        for section in sections:
+            node = node.setdefault(section, {})
+        node.setdefault(name, value)
     return out
 
 

@@ -185,6 +185,7 @@ def _resume(run_dir: Path, *overrides: str) -> int:
     ("model.dim=96", "model.dim 64 -> 96"),
     ("train.seed=7", "train.seed 1337 -> 7"),
     ("data.tokenizer=gpt2", "data.tokenizer 'byte' -> 'gpt2'"),
+    ("data.document_masking=false", "data.document_masking 'auto' -> False"),
 ])
 def test_resuming_with_a_change_that_shapes_the_model_or_data_is_refused(trained, capsys, override, listed):
     before = {p: p.read_bytes() for p in trained.rglob("*") if p.is_file()}
