@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from nsa.data.boundaries import padded, row_boundaries
 from nsa.model import Transformer, tiny
-from nsa.model.attention import flex_document_attention, masked_document_sdpa
+from nsa.model.attention import document_attention, flex_document_attention, masked_document_sdpa
 from nsa.model.compression import BlockCompressor
 from nsa.model.config import NSAParams
 
@@ -103,3 +103,25 @@ def test_flex_attention_and_the_written_out_mask_attend_within_documents():
     torch.testing.assert_close(masked_document_sdpa(q, k, v, ids), expected, atol=1e-6, rtol=0)
     # FlexAttention runs on the CPU without gradients (it is the GPU's path, where it also trains).
     torch.testing.assert_close(flex_document_attention(q, k, v, ids), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's kernels need a CUDA GPU (run on the GPU machine)")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_dense_attention_within_documents_trains_through_flex_attention_on_the_gpu(compiled):
+    m = model("dense").cuda()
+    if compiled:
+        for layer in m.layers:
+            layer.compile()
+    x, y = (t.cuda() for t in batch())
+    packed = m(x, y, CU.cuda())
+    alone = sum(m(x[r:r + 1, a:b], y[r:r + 1, a:b]) * (b - a) for r, a, b in DOCUMENTS) / (B * T)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    # The gradients FlexAttention's backward gives are the written-out mask's.
+    q, k, v = (torch.randn(B, h, T, 16, device="cuda", requires_grad=True) for h in (4, 2, 2))
+    ids = torch.tensor([0] * 7 + [1] + [2] * 16 + [3] * 24, device="cuda").view(B, T)
+    grads = []
+    for attend in (document_attention, masked_document_sdpa):
+        out = attend(q, k, v, ids)
+        grads.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for flex, written_out in zip(*grads):
+        torch.testing.assert_close(flex, written_out, atol=1e-4, rtol=1e-4)

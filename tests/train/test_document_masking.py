@@ -91,3 +91,17 @@ def test_the_compiled_blocks_train_on_packed_documents(tmp_path):
     eager = train(load_config(None, common + ["train.run_name=e"]))
     for step, loss in eager.losses.items():
         assert compiled.losses[step] == pytest.approx(loss, abs=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+@pytest.mark.parametrize("attention", ["dense", "nsa"])
+def test_cuda_graph_steps_on_packed_documents_give_the_eager_losses(tmp_path, attention):
+    common = FAST + [f"train.out_dir={tmp_path}", "train.steps=4", "train.eval_every=2", "train.eval_batches=2",
+                     "train.device=cuda", "parallel.allow_single_process=true", f"model.attention={attention}",
+                     "data.document_masking=true"]
+    graphed = train(load_config(None, common + ["train.run_name=g", "parallel.compile=true",
+                                                "parallel.cudagraphs=true"]))
+    eager = train(load_config(None, common + ["train.run_name=e", "parallel.compile=false"]))
+    for step, loss in eager.losses.items():
+        assert graphed.losses[step] == pytest.approx(loss, rel=2e-3), step
+    assert graphed.val_loss == pytest.approx(eager.val_loss, rel=2e-3)
