@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nsa.ops.triton import decode, inverse_index, query_grad, selected_attention, selection, span_attention
+from nsa.ops.triton import compression, decode, inverse_index, query_grad, selected_attention, selection, span_attention
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 DIMS = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64)
@@ -76,6 +76,16 @@ KERNELS = {
     "index_items": (inverse_index._items_kernel, dict(STEPS=12, BLOCK=1024),
                     dict(STARTS=I32, COUNTS=I32, ITEMS=I32, ITEM_END=I32, ITEM_KEY=I32, ITEM_START=I32,
                          ITEM_COUNT=I32), ()),
+    # phi's MLP at M7C's keys and values (l = 32, d = 16, hidden 128) on packed documents (PACKED=False: unpacked).
+    **{f"phi_{name}": (kernel, dict(L=32, D=64, H=128, BLOCK_D=64, BLOCK_H=128, PACKED=True) | extra,
+                       dict(X0=BF16, X1=BF16, POS0=F32, POS1=F32, W1_0=BF16, W1_1=BF16, W2_0=F32, W2_1=F32, OUT=BF16,
+                            HID=F32, DY=BF16, DH=BF16, DH_SUM=F32, DW2=F32, DX0=BF16, DX1=BF16, DW1=F32, DPOS=F32,
+                            ROW_START=I32, CHUNK_START=I32, DOC_START=I32, DOC_END=I32, CMP_START=I32) | pointers, ())
+       for name, kernel, extra, pointers in (
+           ("fwd", compression._phi_fwd_kernel, dict(BLOCK_M=64), {}),
+           ("bwd_rows", compression._phi_bwd_rows_kernel, dict(BLOCK_M=64, ATOMIC=True), {}),
+           ("bwd_tokens", compression._phi_bwd_tokens_kernel, dict(R=2, BLOCK_C=64), {}),
+           ("bwd_w1", compression._phi_bwd_w1_kernel, dict(BLOCK_K=64, ATOMIC=True), dict(W1_0=F32, W1_1=F32)))},
     "decode_chunk": (decode._chunk_kernel, dict(**DIMS, HP=16, K=16, C=64, R=4, CPP=8, STAGES=3),
                      dict(Q=BF16, KC=BF16, VC=BF16, NCMP=I64, PM=F32, PL=F32, PACC=F32, PSC=F32), ("scale_log2",)),
     "decode_select_part": (decode._select_part_kernel, dict(HP=16, BLOCK_DV=64, K=16, CT=8, PT=8, PTS=64),

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..ops.geometry import num_compressed_blocks, packed_block_starts
+from ..ops.packing import compression_layout
 
 
 class BlockCompressor(nn.Module):
@@ -43,12 +44,10 @@ class BlockCompressor(nn.Module):
         b, t, g, d = x.shape
         if t < self.block_len:
             return x.new_zeros(b, 0, g, d)
+        if self._on_triton(x):
+            return _phi_kernels((self,), (x,), cu_seqlens)[0]
         if cu_seqlens is not None:
             return self._packed(x, cu_seqlens)
-        if self._on_triton(x):
-            from ..ops.triton.compression import phi_mlp_triton
-
-            return phi_mlp_triton((x,), (self.mlp_weights,), self.block_len, self.block_stride)[0]
         return self._pool(x.unfold(1, self.block_len, self.block_stride).transpose(-1, -2))
 
     def _pool(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -93,13 +92,21 @@ class BlockCompressor(nn.Module):
 def compress_pair(first: BlockCompressor, second: BlockCompressor, x: torch.Tensor, y: torch.Tensor,
                   cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(first(x), second(y)); where both run as the Triton kernels on inputs of one shape, type and geometry (the
-    keys and values of M7C), as one launch per kernel."""
-    if cu_seqlens is not None:
-        return first(x, cu_seqlens), second(y, cu_seqlens)
+    keys and values of M7C), as one launch per kernel, packed documents or not."""
     same = (x.shape == y.shape and x.dtype == y.dtype and x.shape[1] >= first.block_len
             and first.signature == second.signature)
     if same and first._on_triton(x) and second._on_triton(y):
-        from ..ops.triton.compression import phi_mlp_triton
+        return _phi_kernels((first, second), (x, y), cu_seqlens)
+    return first(x, cu_seqlens), second(y, cu_seqlens)
 
-        return phi_mlp_triton((x, y), (first.mlp_weights, second.mlp_weights), first.block_len, first.block_stride)
-    return first(x), second(y)
+
+def _phi_kernels(compressors: tuple[BlockCompressor, ...], xs: tuple[torch.Tensor, ...],
+                 cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The MLP phi of one or two compressors of one geometry on the Triton kernels (T >= block_len)."""
+    from ..ops.triton.compression import phi_mlp_triton
+
+    block_len, block_stride = compressors[0].block_len, compressors[0].block_stride
+    layout = None
+    if cu_seqlens is not None:
+        layout = compression_layout(cu_seqlens, block_len, block_stride, xs[0].shape[1])
+    return phi_mlp_triton(xs, tuple(c.mlp_weights for c in compressors), block_len, block_stride, layout)

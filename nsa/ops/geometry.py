@@ -119,7 +119,7 @@ def compressed_offsets(cu_seqlens: torch.Tensor, geometry: NSAGeometry) -> torch
     """int32 [N + 1]: where each packed document's compressed tokens start in k_cmp/v_cmp (and, last, how many
     rows they fill), for documents cut by cu_seqlens [N + 1] (docs/design.md#packed-documents). On the device of
     cu_seqlens, without a host sync."""
-    return _compressed_offsets(cu_seqlens, geometry.block_len, geometry.block_stride)
+    return row_offsets(cu_seqlens, geometry.block_len, geometry.block_stride)
 
 
 def packed_block_starts(cu_seqlens: torch.Tensor, block_len: int, block_stride: int,
@@ -128,7 +128,7 @@ def packed_block_starts(cu_seqlens: torch.Tensor, block_len: int, block_stride: 
     [rows]; whether the row holds a compressed token, bool [rows]). Row r of document i compresses the document's
     block r - offsets[i], which starts at cu_seqlens[i] + (r - offsets[i]) * d; rows past the last document's
     compressed tokens hold none (their start reads 0). On the device of cu_seqlens, without a host sync."""
-    offsets = _compressed_offsets(cu_seqlens, block_len, block_stride).to(torch.int64)
+    offsets = row_offsets(cu_seqlens, block_len, block_stride).to(torch.int64)
     row = torch.arange(rows, device=cu_seqlens.device)
     # The last document starting at or before the row; empty documents start where the next one does.
     doc = (torch.searchsorted(offsets, row, right=True) - 1).clamp(max=cu_seqlens.numel() - 2)
@@ -137,7 +137,8 @@ def packed_block_starts(cu_seqlens: torch.Tensor, block_len: int, block_stride: 
     return torch.where(valid, starts, 0), valid
 
 
-def _compressed_offsets(cu_seqlens: torch.Tensor, block_len: int, block_stride: int) -> torch.Tensor:
+def row_offsets(cu_seqlens: torch.Tensor, block_len: int, block_stride: int) -> torch.Tensor:
+    """compressed_offsets from the compression geometry alone (block_len, block_stride)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     counts = torch.where(lengths >= block_len, (lengths - block_len) // block_stride + 1, 0)
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)

@@ -19,6 +19,13 @@ The weight gradients' partial sums are added by float32 atomics, or in determini
 order. One launch serves the keys' and the values' phi together (a grid axis picks the set): alone, each
 kernel's grid is too small to fill a large GPU at training shapes. Layouts: x [B,T,G,D] with unit last stride;
 out, h, dh [S,B,Nc,G,*] contiguous, S the number of sets (1 or 2).
+
+Packed documents (x [1,total,G,D], PACKED: a constexpr, so unpacked launches compile as before): blocks form inside
+each document, and the tables of packing.CompressionLayout say where. Row i compresses the block starting at
+row_start[i] (each document's rows back to back; rows past them hold none, get out = h = 0 and pass no gradient);
+the token gradient cuts each document into chunks of d tokens from its first token (chunk_start), chunk k lying in
+the document's blocks k and k - 1 where those exist. The same grids serve every packing (Nc(total) rows, a static
+bound on the chunks): one launch per kernel, no host sync.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..packing import CompressionLayout
 from ..tuning import TUNING
 from .common import deterministic, dot_width, num_sms
 
@@ -48,9 +56,11 @@ def _pick(which, first, second):
 
 
 @triton.jit
-def _phi_fwd_kernel(X0, X1, POS0, POS1, W1_0, W1_1, W2_0, W2_1, OUT, HID, sxb0, sxt0, sxg0, sxb1, sxt1, sxg1,
-                    B, n_blocks, G, stride, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr):
+def _phi_fwd_kernel(X0, X1, POS0, POS1, W1_0, W1_1, W2_0, W2_1, OUT, HID, ROW_START, sxb0, sxt0, sxg0, sxb1, sxt1,
+                    sxg1, B, T, n_blocks, G, stride, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, PACKED: tl.constexpr):
+    """With PACKED, row i compresses the block that starts at token ROW_START[i]; rows that hold none (start T)
+    get out = 0 and h = 0."""
     which = tl.program_id(2)
     X, POS, W1, W2 = _pick(which, X0, X1), _pick(which, POS0, POS1), _pick(which, W1_0, W1_1), _pick(which, W2_0, W2_1)
     sxb, sxt, sxg = _pick(which, sxb0, sxb1), _pick(which, sxt0, sxt1), _pick(which, sxg0, sxg1)
@@ -59,6 +69,11 @@ def _phi_fwd_kernel(X0, X1, POS0, POS1, W1_0, W1_1, W2_0, W2_1, OUT, HID, sxb0, 
     g = bg % G
     i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = i < n_blocks
+    if PACKED:
+        start = tl.load(ROW_START + i, mask=ok, other=T)
+        live = start < T
+    else:
+        live = ok
     d = tl.arange(0, BLOCK_D)
     hh = tl.arange(0, BLOCK_H)
     d_ok = d < D
@@ -67,12 +82,18 @@ def _phi_fwd_kernel(X0, X1, POS0, POS1, W1_0, W1_1, W2_0, W2_1, OUT, HID, sxb0, 
     acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     total = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for j in range(L):
-        rows = (i * stride + j).to(tl.int64) * sxt
-        xj = tl.load(x_base + rows[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if PACKED:
+            rows = (start + j).to(tl.int64) * sxt
+        else:
+            rows = (i * stride + j).to(tl.int64) * sxt
+        xj = tl.load(x_base + rows[:, None] + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0).to(
+            tl.float32)
         total += xj
         pos = tl.load(POS + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
         w1 = tl.load(W1 + hh[None, :] * (L * D) + j * D + d[:, None], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
         acc = tl.dot((xj + pos[None, :]).to(W1.dtype.element_ty), w1, acc)
+    if PACKED:
+        acc = tl.where(live[:, None], acc, 0.0)  # with total = 0, out = 0: silu(0) = 0
     out_rows = (((which * B + b) * n_blocks + i) * G + g).to(tl.int64)
     tl.store(HID + out_rows[:, None] * H + hh[None, :], acc, mask=ok[:, None] & h_ok[None, :])
     s = acc * tl.sigmoid(acc)
@@ -82,20 +103,26 @@ def _phi_fwd_kernel(X0, X1, POS0, POS1, W1_0, W1_1, W2_0, W2_1, OUT, HID, sxb0, 
 
 
 @triton.jit
-def _phi_bwd_rows_kernel(DY, HID, W2_0, W2_1, DH, DH_SUM, DW2, n_rows, n_slots, D: tl.constexpr, H: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr):
+def _phi_bwd_rows_kernel(DY, HID, W2_0, W2_1, DH, DH_SUM, DW2, ROW_START, n_rows, n_slots, T, n_blocks, G,
+                         D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr, PACKED: tl.constexpr):
     """dh = (dy W2) * silu'(h); its column sum over this program's rows into DH_SUM[set, program]; and fc2's
-    weight gradient dy^T silu(h) over them, added into DW2[set, 0] (ATOMIC) or written to DW2[set, program]."""
+    weight gradient dy^T silu(h) over them, added into DW2[set, 0] (ATOMIC) or written to DW2[set, program].
+    With PACKED, rows that hold no compressed token (ROW_START T) read dy = 0, so their dh is 0."""
     which = tl.program_id(1)
     W2 = _pick(which, W2_0, W2_1)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ok = rows < n_rows
+    if PACKED:
+        live = ok & (tl.load(ROW_START + (rows // G) % n_blocks, mask=ok, other=T) < T)
+    else:
+        live = ok
     rows += which.to(tl.int64) * n_rows
     d = tl.arange(0, BLOCK_D)
     hh = tl.arange(0, BLOCK_H)
     d_ok = d < D
     h_ok = hh < H
-    dy = tl.load(DY + rows[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    dy = tl.load(DY + rows[:, None] * D + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
     w2 = tl.load(W2 + d[:, None] * H + hh[None, :], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
     ds = tl.dot(dy, w2.to(dy.dtype))
     mask = ok[:, None] & h_ok[None, :]
@@ -123,11 +150,14 @@ def _block_rows(DH, DY, b, blk, g, n_blocks, G, hh, d, h_ok, d_ok, valid, H: tl.
 
 
 @triton.jit
-def _phi_bwd_tokens_kernel(DH, DY, W1_0, W1_1, DX0, DX1, sdb, sdt, sdg, B, T, n_blocks, G, stride,
-                           L: tl.constexpr, R: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+def _phi_bwd_tokens_kernel(DH, DY, W1_0, W1_1, DX0, DX1, CHUNK_START, DOC_START, DOC_END, CMP_START, sdb, sdt, sdg,
+                           B, T, n_blocks, n_chunks, G, stride, L: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                           H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
+                           PACKED: tl.constexpr):
     """dx for the tokens of BLOCK_C chunks of `stride` tokens: chunk c lies in blocks c (at positions 0..d-1) and,
-    with R = 2, c - 1 (at positions d..2d-1)."""
+    with R = 2, c - 1 (at positions d..2d-1). With PACKED, chunks are cut inside each document (CHUNK_START): the
+    document's chunk k lies in its blocks k and k - 1, which exist below its block count, at rows CMP_START + k
+    and CMP_START + k - 1."""
     which = tl.program_id(2)
     W1, DX = _pick(which, W1_0, W1_1), _pick(which, DX0, DX1)
     bg = tl.program_id(1)
@@ -139,10 +169,25 @@ def _phi_bwd_tokens_kernel(DH, DY, W1_0, W1_1, DX0, DX1, sdb, sdt, sdg, B, T, n_
     hh = tl.arange(0, BLOCK_H)
     d_ok = d < D
     h_ok = hh < H
-    dh0, dy0 = _block_rows(DH, DY, sb, c, g, n_blocks, G, hh, d, h_ok, d_ok, c < n_blocks, H, D)
+    if PACKED:
+        first = tl.load(CHUNK_START + c, mask=c < n_chunks, other=T)
+        here = first < T
+        doc = tl.load(DOC_START + first, mask=here, other=0)
+        end = tl.load(DOC_END + first, mask=here, other=0)
+        k = (first - doc) // stride
+        length = end - doc
+        blocks = tl.where(length >= L, (length - L) // stride + 1, 0)
+        blk = tl.load(CMP_START + first, mask=here, other=0) + k
+        dh0, dy0 = _block_rows(DH, DY, sb, blk, g, n_blocks, G, hh, d, h_ok, d_ok, here & (k < blocks), H, D)
+    else:
+        dh0, dy0 = _block_rows(DH, DY, sb, c, g, n_blocks, G, hh, d, h_ok, d_ok, c < n_blocks, H, D)
     if R == 2:
-        dh1, dy1 = _block_rows(DH, DY, sb, c - 1, g, n_blocks, G, hh, d, h_ok, d_ok, (c >= 1) & (c - 1 < n_blocks),
-                               H, D)
+        if PACKED:
+            dh1, dy1 = _block_rows(DH, DY, sb, blk - 1, g, n_blocks, G, hh, d, h_ok, d_ok,
+                                   here & (k >= 1) & (k - 1 < blocks), H, D)
+        else:
+            dh1, dy1 = _block_rows(DH, DY, sb, c - 1, g, n_blocks, G, hh, d, h_ok, d_ok,
+                                   (c >= 1) & (c - 1 < n_blocks), H, D)
         mean_part = (dy0 + dy1) / L
     else:
         mean_part = dy0 / L
@@ -154,20 +199,25 @@ def _phi_bwd_tokens_kernel(DH, DY, W1_0, W1_1, DX0, DX1, sdb, sdt, sdg, B, T, n_
             w1b = tl.load(W1 + hh[:, None] * (L * D) + (j + stride) * D + d[None, :],
                           mask=h_ok[:, None] & d_ok[None, :], other=0.0)
             dx = tl.dot(dh1, w1b.to(dh1.dtype), dx)
-        t = c * stride + j
-        t_ok = t < T
+        if PACKED:
+            t = first + j
+            t_ok = t < end
+        else:
+            t = c * stride + j
+            t_ok = t < T
         tl.store(x_base + t.to(tl.int64)[:, None] * sdt + d[None, :], dx.to(DX.dtype.element_ty),
                  mask=t_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _phi_bwd_w1_kernel(DH, X0, X1, POS0, POS1, W1_0, W1_1, DH_SUM, DW1, DPOS, sxb0, sxt0, sxg0, sxb1, sxt1, sxg1,
-                       n_rows, rows_per_split, n_sums, n_blocks, G, stride, L: tl.constexpr, D: tl.constexpr,
-                       H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ATOMIC: tl.constexpr):
+def _phi_bwd_w1_kernel(DH, X0, X1, POS0, POS1, W1_0, W1_1, DH_SUM, DW1, DPOS, ROW_START, sxb0, sxt0, sxg0, sxb1,
+                       sxt1, sxg1, n_rows, rows_per_split, n_sums, T, n_blocks, G, stride, L: tl.constexpr,
+                       D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, PACKED: tl.constexpr):
     """For token position j, over this split's blocks: fc1's weight gradient dh^T (x[block's j-th token] + pos_j)
     (fc1's input as the forward rounded it) into DW1[set, split, :, j*D:(j+1)*D], or with ATOMIC added into split
-    0's. Split 0 also writes pos_j's gradient (colsum dh) W1_j from the row kernel's n_sums column sums."""
+    0's. Split 0 also writes pos_j's gradient (colsum dh) W1_j from the row kernel's n_sums column sums. With
+    PACKED, block i starts at ROW_START[i]; rows that hold none have dh = 0."""
     j = tl.program_id(0)
     split = tl.program_id(1)
     which = tl.program_id(2)
@@ -190,8 +240,14 @@ def _phi_bwd_w1_kernel(DH, X0, X1, POS0, POS1, W1_0, W1_1, DH_SUM, DW1, DPOS, sx
         g = m % G
         dht = tl.load(dh_set + m.to(tl.int64)[None, :] * H + hh[:, None], mask=h_ok[:, None] & ok[None, :],
                       other=0.0)
-        x_off = b * sxb + (i * stride + j).to(tl.int64) * sxt + g * sxg
-        x = tl.load(X + x_off[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if PACKED:
+            first = tl.load(ROW_START + i, mask=ok, other=T)
+            live = ok & (first < T)
+            x_off = b * sxb + (first + j).to(tl.int64) * sxt + g * sxg
+        else:
+            live = ok
+            x_off = b * sxb + (i * stride + j).to(tl.int64) * sxt + g * sxg
+        x = tl.load(X + x_off[:, None] + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         acc = tl.dot(dht, (x + pos[None, :]).to(dht.dtype), acc)  # rows past the end meet dh = 0
     off = hh[:, None] * (L * D) + j * D + d[None, :]
     w_mask = h_ok[:, None] & d_ok[None, :]
@@ -223,9 +279,14 @@ def _n_blocks(T: int, block_len: int, block_stride: int) -> int:
 
 @torch.library.custom_op("nsa::phi_mlp", mutates_args=())
 def phi_mlp_forward(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor, w1_1: Tensor, w2_0: Tensor,
-                    w2_1: Tensor, block_len: int, block_stride: int, sets: int) -> tuple[Tensor, Tensor]:
+                    w2_1: Tensor, row_start: Tensor | None, chunk_start: Tensor | None, doc_start: Tensor | None,
+                    doc_end: Tensor | None, cmp_start: Tensor | None, block_len: int, block_stride: int,
+                    sets: int) -> tuple[Tensor, Tensor]:
     """phi of `sets` (1 or 2) inputs x [B,T,G,D] of one shape, each with its own (pos, w1, w2) (set 1's arguments
     are ignored when sets = 1): (out [S,B,Nc,G,D] in x's type, h [S,B,Nc,G,H] float32 for the backward).
+
+    Packed documents (B = 1) pass the five tables of packing.CompressionLayout (the forward reads row_start, the
+    backward all five); without them, None.
 
     The weights may be wider than x (float32 parameters under autocast): the kernels round pos and w2 as they
     load them (once a program), w1 is rounded here and again in the backward (its inner loops would pay for
@@ -237,14 +298,16 @@ def phi_mlp_forward(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Te
     hid = x0.new_empty(sets, B, n_blocks, G, H, dtype=torch.float32)
     block_m, block_d, block_h = _launch_shape(x0, H)
     grid = (triton.cdiv(n_blocks, block_m), B * G, sets)
-    _phi_fwd_kernel[grid](x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid,
-                          *x0.stride()[:3], *x1.stride()[:3], B, n_blocks, G, block_stride, L=block_len, D=D, H=H,
-                          BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, num_warps=TUNING.phi_warps)
+    _phi_fwd_kernel[grid](x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid, row_start,
+                          *x0.stride()[:3], *x1.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len, D=D,
+                          H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, PACKED=row_start is not None,
+                          num_warps=TUNING.phi_warps)
     return out, hid
 
 
 @phi_mlp_forward.register_fake
-def _(x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, block_len, block_stride, sets):
+def _(x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, row_start, chunk_start, doc_start, doc_end, cmp_start, block_len,
+      block_stride, sets):
     B, T, G, D = x0.shape
     n_blocks = _n_blocks(T, block_len, block_stride)
     return (x0.new_empty(sets, B, n_blocks, G, D),
@@ -261,14 +324,16 @@ def _splits(n_rows: int, block_len: int, sets: int, x: Tensor) -> int:
 
 @torch.library.custom_op("nsa::phi_mlp_backward", mutates_args=())
 def phi_mlp_backward(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor, w1_1: Tensor,
-                     w2_0: Tensor, w2_1: Tensor, hid: Tensor, block_len: int,
-                     block_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     w2_0: Tensor, w2_1: Tensor, row_start: Tensor | None, chunk_start: Tensor | None,
+                     doc_start: Tensor | None, doc_end: Tensor | None, cmp_start: Tensor | None, hid: Tensor,
+                     block_len: int, block_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (dx0, dx1 (empty for one set), dpos [S,l,D], dw1 [S,H,l*D], dw2 [S,D,H]), each in its input's
     type; the weights' stacked by set."""
     dy = dy.contiguous()
     sets, B, n_blocks, G, H = hid.shape
     T, D = x0.shape[1], x0.shape[3]
     n_rows = B * n_blocks * G
+    packed = row_start is not None
     block_m, block_d, block_h = _launch_shape(x0, H)
     row_programs = triton.cdiv(n_rows, block_m)
     splits = _splits(n_rows, block_len, sets, x0)
@@ -281,28 +346,33 @@ def phi_mlp_backward(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Ten
     dpos = x0.new_empty(sets, *pos0.shape, dtype=torch.float32)
     dh = torch.empty_like(hid, dtype=x0.dtype)
     dh_sums = x0.new_empty(sets, row_programs, H, dtype=torch.float32)
-    _phi_bwd_rows_kernel[(row_programs, sets)](dy, hid, w2_0, w2_1, dh, dh_sums, dw2, n_rows, w2_slots, D=D, H=H,
-                                               BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, ATOMIC=atomic,
+    _phi_bwd_rows_kernel[(row_programs, sets)](dy, hid, w2_0, w2_1, dh, dh_sums, dw2, row_start, n_rows, w2_slots, T,
+                                               n_blocks, G, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
+                                               BLOCK_M=block_m, ATOMIC=atomic, PACKED=packed,
                                                num_warps=TUNING.phi_warps)
     dx0 = torch.empty_like(x0)
     dx1 = torch.empty_like(x1) if sets == 2 else x0.new_empty(0)
-    grid = (triton.cdiv(triton.cdiv(T, block_stride), block_m), B * G, sets)
+    # Chunks of d tokens: the stream's, or with packed documents each document's (chunk_start).
+    n_chunks = chunk_start.numel() if packed else triton.cdiv(T, block_stride)
+    grid = (triton.cdiv(n_chunks, block_m), B * G, sets)
     _phi_bwd_tokens_kernel[grid](dh, dy, w1_0.to(x0.dtype), w1_1.to(x0.dtype), dx0, dx1 if sets == 2 else dx0,
-                                 *dx0.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len,
-                                 R=block_len // block_stride, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
-                                 BLOCK_C=block_m, num_warps=TUNING.phi_warps)
-    _phi_bwd_w1_kernel[(block_len, splits, sets)](dh, x0, x1, pos0, pos1, w1_0, w1_1, dh_sums, dw1, dpos,
+                                 chunk_start, doc_start, doc_end, cmp_start, *dx0.stride()[:3], B, T, n_blocks,
+                                 n_chunks, G, block_stride, L=block_len, R=block_len // block_stride, D=D, H=H,
+                                 BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_C=block_m, PACKED=packed,
+                                 num_warps=TUNING.phi_warps)
+    _phi_bwd_w1_kernel[(block_len, splits, sets)](dh, x0, x1, pos0, pos1, w1_0, w1_1, dh_sums, dw1, dpos, row_start,
                                                   *x0.stride()[:3], *x1.stride()[:3], n_rows,
-                                                  triton.cdiv(n_rows, splits), row_programs, n_blocks, G,
+                                                  triton.cdiv(n_rows, splits), row_programs, T, n_blocks, G,
                                                   block_stride, L=block_len, D=D, H=H, BLOCK_D=block_d,
-                                                  BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic,
+                                                  BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic, PACKED=packed,
                                                   num_warps=TUNING.phi_warps)
     dw1, dw2 = (g[:, 0] if g.shape[1] == 1 else g.sum(1) for g in (dw1, dw2))
     return dx0, dx1, *(g.to(w.dtype) for g, w in ((dpos, pos0), (dw1, w1_0), (dw2, w2_0)))
 
 
 @phi_mlp_backward.register_fake
-def _(dy, x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, hid, block_len, block_stride):
+def _(dy, x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, row_start, chunk_start, doc_start, doc_end, cmp_start, hid,
+      block_len, block_stride):
     sets = hid.shape[0]
     return (torch.empty_like(x0), torch.empty_like(x1) if sets == 2 else x0.new_empty(0),
             *(w.new_empty(sets, *w.shape) for w in (pos0, w1_0, w2_0)))
@@ -316,27 +386,35 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+_NO_GRADS = (None,) * 8  # the five tables, block_len, block_stride, sets
+
+
 def _backward(ctx, dy, _unused):
     dx0, dx1, dpos, dw1, dw2 = phi_mlp_backward(dy, *ctx.saved_tensors, *ctx.geometry)
     if dpos.shape[0] == 1:  # one set: its arguments stood in for set 1's
-        return dx0, None, dpos[0], None, dw1[0], None, dw2[0], None, None, None, None
-    return dx0, dx1, *dpos.unbind(), *dw1.unbind(), *dw2.unbind(), None, None, None
+        return dx0, None, dpos[0], None, dw1[0], None, dw2[0], None, *_NO_GRADS
+    return dx0, dx1, *dpos.unbind(), *dw1.unbind(), *dw2.unbind(), *_NO_GRADS
 
 
 phi_mlp_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def phi_mlp_triton(xs: tuple[Tensor, ...], params: tuple[tuple[Tensor, Tensor, Tensor], ...], block_len: int,
-                   block_stride: int) -> tuple[Tensor, ...]:
+                   block_stride: int, layout: CompressionLayout | None = None) -> tuple[Tensor, ...]:
     """mean + W2 silu(W1 (block + pos)) of each block, for one or two inputs x [B,T,G,D] of one shape (T >=
-    block_len), each with its (pos, w1, w2); in x's type, in one launch per kernel."""
+    block_len), each with its (pos, w1, w2); in x's type, in one launch per kernel. With `layout` (packed
+    documents, x [1,total,G,D]), the blocks inside each document, as model.compression.BlockCompressor lays them
+    out: [1, Nc(total), G, D], zero on rows that hold no compressed token."""
     xs = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
     sets = len(xs)
     if sets not in (1, 2) or len(params) != sets or any(x.shape != xs[0].shape or x.dtype != xs[0].dtype
                                                          for x in xs):
         raise ValueError("phi_mlp_triton takes one or two inputs of one shape and type, each with its weights")
+    if layout is not None and xs[0].shape[0] != 1:
+        raise ValueError(f"packed documents come as one row [1, total, G, D], got x of shape {tuple(xs[0].shape)}")
     (pos0, w1_0, w2_0), (pos1, w1_1, w2_1) = params[0], params[-1]
     x0, x1 = xs[0], xs[-1]
-    out = phi_mlp_forward(x0, x1, *(p.contiguous() for p in (pos0, pos1, w1_0, w1_1, w2_0, w2_1)), block_len,
-                          block_stride, sets)[0]
+    tables = (None,) * 5 if layout is None else layout.tensors()
+    out = phi_mlp_forward(x0, x1, *(p.contiguous() for p in (pos0, pos1, w1_0, w1_1, w2_0, w2_1)), *tables,
+                          block_len, block_stride, sets)[0]
     return tuple(out.unbind(0))
