@@ -146,10 +146,11 @@ def _int_list(text: str) -> list[int]:
 def _cmd_bench_attention(ns: argparse.Namespace) -> int:
     from .bench import attention
 
+    lengths = ns.lengths if ns.lengths is not None else [] if ns.docs is not None else attention.LENGTHS
     attention.run(
-        shapes=ns.shapes.split(","), lengths=ns.lengths, out_dir=ns.out, backward=not ns.forward_only,
+        shapes=ns.shapes.split(","), lengths=lengths, out_dir=ns.out, backward=not ns.forward_only,
         use_fla=not ns.no_fla, breakdown_at=ns.components, sweep_at=ns.sweep, batch=ns.batch,
-        sweep_params=[p for p in ns.sweep_params.split(",") if p], graphs=ns.graphs,
+        sweep_params=[p for p in ns.sweep_params.split(",") if p], graphs=ns.graphs, docs=ns.docs,
     )
     return 0
 
@@ -295,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and a PNG.",
     )
     p.add_argument("--shapes", default="m7c,paper", help="comma-separated: m7c (12/2/64), paper (64/4/128)")
-    p.add_argument("--lengths", type=_int_list, default="2048,4096,8192,16384,32768,65536,131072",
-                   help="comma-separated sequence lengths")
+    p.add_argument("--lengths", type=_int_list, default=None,
+                   help="comma-separated sequence lengths (default 2048,4096,...,131072; none with --docs)")
     p.add_argument("--out", default="runs/bench", help="folder for the CSV/JSON results")
     p.add_argument("--forward-only", action="store_true", help="skip forward+backward timings")
     p.add_argument("--no-fla", action="store_true", help="skip fla-core's parallel_nsa")
@@ -310,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphs", action="store_true",
                    help="time CUDA-graph replays of every call (NSA, dense, fla): the GPU's time without the host's "
                         "launch time, as in a captured or compiled step; short sequences at batch 1 are host-bound")
+    p.add_argument("--docs", default=None, metavar="MIXTURE,...",
+                   help="packed documents: time NSA with cu_seqlens against NSA unpacked, FlexAttention's document "
+                        "mask, SDPA's varlen flash and cuDNN and fla's varlen parallel_nsa, for each mixture "
+                        "TOTAL:LENGTH or TOTAL:MIN-MAX[@SEED] (e.g. 64k:2k,64k:1k-32k: 64k tokens of documents "
+                        "of 2k, or of lengths drawn log-uniformly from 1k to 32k, the last cut to fit); also one "
+                        "document packed against unpacked at 8k and 64k")
     p.set_defaults(func=_cmd_bench_attention)
 
     p = bench.add_parser(

@@ -3,11 +3,18 @@
 All numbers in one run on one GPU, bf16, batch 1 (or --batch), NSA with every branch and the gates
 (l=32, d=16, l'=64, n=16, w=512). fla's parallel_nsa runs only where its group-size
 rule allows (h a power of two >= 16) and, without flash-attn, has no window branch.
+
+With --docs, packed documents (nsa.bench.mixtures): NSA with cu_seqlens against NSA unpacked at the stream's length,
+dense attention within documents (FlexAttention's document block mask, SDPA's flash and cuDNN kernels on nested
+jagged tensors) and fla's varlen parallel_nsa; and one document packed against the same tokens unpacked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import logging
 import warnings
 from pathlib import Path
 
@@ -18,6 +25,7 @@ from ..errors import UserError
 from ..ops import NSAGeometry, nsa_attention
 from ..plots.bench import picture
 from .common import environment, format_table, graphed, print_row, time_cuda, write_results
+from .mixtures import Mixture, cu_seqlens, document_block_mask, jagged, parse_mixtures
 
 SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128)}
 """name: (query heads, key/value heads, Dk, Dv)."""
@@ -86,8 +94,9 @@ def _dense(tensors: list[torch.Tensor], backend: str = "flash"):
     return fwd, tensors
 
 
-def _fla(ins):
-    """fla's parallel_nsa over our selected-branch keys/values, or None where it refuses the shape."""
+def _fla(ins, cu_seqlens: torch.Tensor | None = None):
+    """fla's parallel_nsa over our selected-branch keys/values (packed documents with cu_seqlens, int64), or None
+    where it refuses the shape."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -101,9 +110,11 @@ def _fla(ins):
     qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q, k, v))
     gc, gs = (gates[..., i].detach().contiguous() for i in (0, 1))
 
+    packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+
     def fwd():
         return parallel_nsa(qf, kf, vf, g_cmp=gc, g_slc=gs, block_counts=GEOMETRY.n_sel,
-                            block_size=GEOMETRY.sel_block)
+                            block_size=GEOMETRY.sel_block, **packed)
 
     return fwd, [qf, kf, vf]
 
@@ -308,9 +319,203 @@ def _set_tuning(live, values) -> None:
         setattr(live, f.name, getattr(values, f.name))
 
 
+# ------------------------------------------------------------------------------------------- packed documents
+
+DOCUMENT_REFERENCES = ("unpacked", "flex", "flash", "cudnn", "fla")
+"""What NSA on packed documents is timed against: NSA unpacked at the stream's length, then dense attention within
+documents (FlexAttention, SDPA's varlen flash and cuDNN kernels) and fla-core's varlen parallel_nsa."""
+SDPA_KERNELS = {"flash": "Flash attention", "cudnn": "cuDNN attention"}
+"""How SDPA names the kernel of each varlen reference when it says why the kernel refused a call."""
+ONE_DOCUMENT_LENGTHS = (8192, 65536)
+"""Lengths at which one document packed is timed against the same tokens unpacked."""
+
+
+def _nsa_packed(ins, cu: torch.Tensor):
+    return lambda: nsa_attention(*ins, geometry=GEOMETRY, cu_seqlens=cu)
+
+
+def _flex(ins, mixture: Mixture):
+    """Compiled FlexAttention within documents over NSA's q and selected-branch keys and values ([1, heads, T, D],
+    the key/value heads shared by each group as in the model), the block mask built beforehand."""
+    q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (ins[0], ins[3], ins[4]))
+    mask = document_block_mask(mixture, q.device)
+    compiled = _compiled_flex_attention()
+
+    def fwd():
+        return compiled(q, k, v, block_mask=mask, enable_gqa=True)
+
+    return fwd, [q, k, v]
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once (its fused kernel; eager FlexAttention materialises every score)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _varlen(ins, mixture: Mixture, backend: str):
+    """SDPA's `backend` kernel on nested jagged tensors, one causal sequence per document (the varlen kernels),
+    key/value heads repeated over each group as for the dense references."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    q, k, v = ins[0], ins[3], ins[4]
+    h = q.shape[2] // k.shape[2]
+    values = [q.detach()[0].contiguous().requires_grad_()]
+    values += [t.detach()[0].repeat_interleave(h, 1).contiguous().requires_grad_() for t in (k, v)]
+    offsets = cu_seqlens(mixture, q.device).to(torch.int64)
+
+    def fwd():
+        with sdpa_kernel([chosen]):
+            out = F.scaled_dot_product_attention(*(jagged(t, mixture, offsets) for t in values), is_causal=True)
+        return out.transpose(1, 2).values()
+
+    return fwd, values
+
+
+def _measure(fn, graphs: bool, kernel: str = "") -> tuple[float | None, str | None]:
+    """(ms, None), or (None, why) where a reference cannot run these inputs: its first call fails (no kernel for
+    the dtype or shape, an op nested tensors lack; for SDPA, the reason its `kernel` gave, e.g. "Flash attention")
+    or it runs out of memory."""
+    told: list[str] = []
+    try:
+        with _refusals(told):
+            fn()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None, "out of memory"
+    except (RuntimeError, NotImplementedError, ValueError, TypeError, AssertionError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return None, "; ".join([first, *refusal_of(told, kernel)[:2]])[:300]
+    ms = _time_as(fn, graphs)
+    return ms, None if ms is not None else ("out of memory or not captured" if graphs else "out of memory")
+
+
+@contextlib.contextmanager
+def _refusals(told: list[str]):
+    """Collect into `told` the first line of every warning and of every message of SDPA's nested-tensor log: where
+    SDPA refuses a call it says why there (the error names only "No available kernel" or "No viable backend")."""
+    nested_log = logging.getLogger("torch.nested._internal.sdpa")
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            told.append(record.getMessage())
+
+    handler = Collect()
+    nested_log.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        nested_log.removeHandler(handler)
+        told += [str(w.message) for w in caught]
+        told[:] = [m.strip().splitlines()[0] for m in told if m.strip()]
+
+
+def refusal_of(told: list[str], kernel: str) -> list[str]:
+    """The reasons SDPA gave for not running `kernel`: it lists each kernel's under a header "<kernel> ... not
+    used because:"; without such a header (or kernel), every line that is not a header."""
+    sections: dict[str, list[str]] = {}
+    header = ""
+    for line in told:
+        if line.endswith("because:"):
+            header = line
+        else:
+            sections.setdefault(header, []).append(line)
+    chosen = [lines for h, lines in sections.items() if kernel and h.lower().startswith(kernel.lower())]
+    return chosen[0] if chosen else [line for lines in sections.values() for line in lines]
+
+
+def compare_documents(shape: str, mixture: Mixture, backward: bool, use_fla: bool, graphs: bool = False) -> dict:
+    """One row: NSA on the packed mixture and every reference of DOCUMENT_REFERENCES, forward and (backward)
+    forward+backward; `X_KIND_ms` is 'n/a' where X cannot run (the reason in `not_run`), `vs_X_KIND` = X / NSA."""
+    H, G, Dk, Dv = SHAPES[shape]
+    row = {"shape": f"{shape} {H}/{G}/{Dk}", "docs": mixture.spec, "n": len(mixture.lengths), "T": mixture.total}
+    try:
+        ins = make_inputs(mixture.total, H, G, Dk, Dv)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return row
+    cu = cu_seqlens(mixture, "cuda")
+    fla = _fla(ins, cu.to(torch.int64)) if use_fla else None
+    calls = {"unpacked": (_nsa(ins), ins), "flex": _flex(ins, mixture), "flash": _varlen(ins, mixture, "flash"),
+             "cudnn": _varlen(ins, mixture, "cudnn"), "fla": fla}
+    reasons, kinds = [], ("fwd", "fwdbwd") if backward else ("fwd",)
+    for kind in kinds:
+        step = (lambda fwd, tensors: fwd) if kind == "fwd" else _fwd_bwd
+        with torch.set_grad_enabled(kind == "fwdbwd"):
+            row[f"nsa_{kind}_ms"] = _time_as(step(_nsa_packed(ins, cu), ins), graphs)
+            for who, call in calls.items():
+                if call is None:  # fla-core not installed, or refusing this shape
+                    continue
+                ms, why = _measure(step(*call), graphs, SDPA_KERNELS.get(who, ""))
+                row[f"{who}_{kind}_ms"] = "n/a" if why else ms
+                if why:
+                    reasons.append(f"{who} {kind}: {why}")
+    for kind in kinds:
+        nsa = row.get(f"nsa_{kind}_ms")
+        for who in DOCUMENT_REFERENCES:
+            other = row.get(f"{who}_{kind}_ms")
+            row[f"vs_{who}_{kind}"] = other if other == "n/a" else other / nsa if other and nsa else None
+    row["not_run"] = " | ".join(reasons)
+    del ins, calls, fla
+    torch.cuda.empty_cache()
+    return row
+
+
+def one_document(shape: str, T: int, backward: bool, graphs: bool = False) -> dict:
+    """NSA on one document of T tokens through the packed path against the same inputs unpacked;
+    `packed_vs_unpacked_KIND` = unpacked / packed time (1 when packing costs nothing)."""
+    H, G, Dk, Dv = SHAPES[shape]
+    row = {"shape": f"{shape} {H}/{G}/{Dk}", "T": T}
+    ins = make_inputs(T, H, G, Dk, Dv)
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    for kind in ("fwd", "fwdbwd") if backward else ("fwd",):
+        with torch.set_grad_enabled(kind == "fwdbwd"):
+            calls = {"unpacked": _nsa(ins), "packed": _nsa_packed(ins, cu)}
+            for who, fwd in calls.items():
+                row[f"{who}_{kind}_ms"] = _time_as(fwd if kind == "fwd" else _fwd_bwd(fwd, ins), graphs)
+        packed, unpacked = row[f"packed_{kind}_ms"], row[f"unpacked_{kind}_ms"]
+        row[f"packed_vs_unpacked_{kind}"] = unpacked / packed if packed and unpacked else None
+    del ins
+    torch.cuda.empty_cache()
+    return row
+
+
+DOCUMENT_COLUMNS = ["shape", "docs", "n", "nsa_fwd_ms", *(f"vs_{who}_fwd" for who in DOCUMENT_REFERENCES),
+                    "nsa_fwdbwd_ms", *(f"vs_{who}_fwdbwd" for who in DOCUMENT_REFERENCES)]
+"""The printed table of compare_documents (the files hold every time too)."""
+
+
+def run_documents(shapes: list[str], mixtures: list[Mixture], out_dir: str, meta: dict, backward: bool,
+                  use_fla: bool, graphs: bool) -> tuple[Path, ...]:
+    """Every mixture at every shape, then one document packed against unpacked; prints both tables and writes
+    attention_docs.{csv,json} and attention_one_document.{csv,json}, each mixture's lengths in the environment."""
+    meta = meta | {"mixtures": {m.spec: list(m.lengths) for m in mixtures}}
+    rows, paths = [], ()
+    for shape in shapes:
+        for mixture in mixtures:
+            rows.append(compare_documents(shape, mixture, backward, use_fla, graphs))
+            print_row(rows[-1], [c for c in DOCUMENT_COLUMNS if c in rows[-1]])
+            paths = write_results(rows, out_dir, "attention_docs", meta)
+    print("\n" + format_table(rows, [c for c in DOCUMENT_COLUMNS if any(c in r for r in rows)]))
+    for note in (f"{r['shape']} {r['docs']}: {r['not_run']}" for r in rows if r.get("not_run")):
+        print(f"  n/a  {note}")
+    single = [one_document(shape, T, backward, graphs) for shape in shapes for T in ONE_DOCUMENT_LENGTHS]
+    print("\none document, packed against unpacked (unpacked / packed time):")
+    print(format_table(single, list(dict.fromkeys(k for r in single for k in r))))
+    return paths + write_results(single, out_dir, "attention_one_document", meta)
+
+
 def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = True, use_fla: bool = True,
         breakdown_at: list[int] | None = None, sweep_at: list[int] | None = None, batch: int = 1,
-        sweep_params: list[str] | None = None, graphs: bool = False) -> list[dict]:
+        sweep_params: list[str] | None = None, graphs: bool = False, docs: str | None = None) -> list[dict]:
+    """The tables of compare at every shape and length (then components, sweep), and with `docs` (comma-separated
+    mixtures, nsa.bench.mixtures) those of run_documents; returns compare's rows."""
+    mixtures = parse_mixtures(docs) if docs is not None else []
     if not torch.cuda.is_available():
         raise UserError("nsa bench attention needs a CUDA GPU")
     if batch < 1:
@@ -333,8 +538,11 @@ def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = Tr
     columns = ["shape", "T", "nsa_fwd_ms", "dense_fwd_ms", "cudnn_fwd_ms", "fla_fwd_ms", "speedup_fwd", "vs_cudnn_fwd",
                "nsa_fwdbwd_ms", "dense_fwdbwd_ms", "cudnn_fwdbwd_ms", "fla_fwdbwd_ms", "speedup_fwdbwd",
                "vs_cudnn_fwdbwd", "vs_fla_fwdbwd"]
-    print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
-    paths += picture(rows, meta, Path(out_dir) / "attention.png")
+    if rows:
+        print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
+        paths += picture(rows, meta, Path(out_dir) / "attention.png")
+    if mixtures:
+        paths += run_documents(shapes, mixtures, out_dir, meta, backward, use_fla, graphs)
     for T in breakdown_at or []:
         parts = [r for shape in shapes for r in components(shape, T, batch)]
         print("\n" + format_table(parts, ["shape", "T", "stage", "ms"]))
