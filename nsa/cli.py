@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "launch time, as in a captured or compiled step; short sequences at batch 1 are host-bound")
     p.add_argument("--docs", default=None, metavar="MIXTURE,...",
                    help="packed documents: time NSA with cu_seqlens against NSA unpacked, FlexAttention's document "
-                        "mask, SDPA's varlen flash and cuDNN and fla's varlen parallel_nsa, for each mixture "
+                        "mask, varlen flash, cuDNN on jagged tensors and fla's varlen parallel_nsa, for each mixture "
                         "TOTAL:LENGTH or TOTAL:MIN-MAX[@SEED] (e.g. 64k:2k,64k:1k-32k: 64k tokens of documents "
                         "of 2k, or of lengths drawn log-uniformly from 1k to 32k, the last cut to fit); also one "
                         "document packed against unpacked at 8k and 64k")

@@ -5,8 +5,8 @@ All numbers in one run on one GPU, bf16, batch 1 (or --batch), NSA with every br
 rule allows (h a power of two >= 16) and, without flash-attn, has no window branch.
 
 With --docs, packed documents (nsa.bench.mixtures): NSA with cu_seqlens against NSA unpacked at the stream's length,
-dense attention within documents (FlexAttention's document block mask, SDPA's flash and cuDNN kernels on nested
-jagged tensors) and fla's varlen parallel_nsa; and one document packed against the same tokens unpacked.
+dense attention within documents (FlexAttention's document block mask, PyTorch's varlen flash kernel, SDPA's
+cuDNN kernel on nested jagged tensors) and fla's varlen parallel_nsa; and one document packed against the same tokens unpacked.
 """
 
 from __future__ import annotations
@@ -355,6 +355,26 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def _flash_varlen(ins, mixture: Mixture):
+    """PyTorch's varlen flash attention (`torch.nn.attention.varlen.varlen_attn`, flash-attn's varlen kernel) on
+    the packed tokens, one causal sequence per document, the groups shared through GQA; without that module
+    (PyTorch before 2.10), SDPA's flash kernel on nested jagged tensors."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return _varlen(ins, mixture, "flash")
+    q, k, v = ins[0], ins[3], ins[4]
+    values = [t.detach()[0].contiguous().requires_grad_() for t in (q, k, v)]
+    offsets = cu_seqlens(mixture, q.device)
+    longest = max(mixture.lengths)
+
+    def fwd():
+        return varlen_attn(*values, offsets, offsets, longest, longest, window_size=(-1, 0),
+                           enable_gqa=q.shape[2] != k.shape[2])
+
+    return fwd, values
+
+
 def _varlen(ins, mixture: Mixture, backend: str):
     """SDPA's `backend` kernel on nested jagged tensors, one causal sequence per document (the varlen kernels),
     key/value heads repeated over each group as for the dense references."""
@@ -441,7 +461,7 @@ def compare_documents(shape: str, mixture: Mixture, backward: bool, use_fla: boo
         return row
     cu = cu_seqlens(mixture, "cuda")
     fla = _fla(ins, cu.to(torch.int64)) if use_fla else None
-    calls = {"unpacked": (_nsa(ins), ins), "flex": _flex(ins, mixture), "flash": _varlen(ins, mixture, "flash"),
+    calls = {"unpacked": (_nsa(ins), ins), "flex": _flex(ins, mixture), "flash": _flash_varlen(ins, mixture),
              "cudnn": _varlen(ins, mixture, "cudnn"), "fla": fla}
     reasons, kinds = [], ("fwd", "fwdbwd") if backward else ("fwd",)
     for kind in kinds:

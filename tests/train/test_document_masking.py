@@ -36,7 +36,7 @@ def _spy_on_the_model(monkeypatch) -> list:
 def test_training_with_masking_passes_each_batchs_boundaries_and_learns(tmp_path, monkeypatch, attention):
     calls = _spy_on_the_model(monkeypatch)
     common = FAST + [f"model.attention={attention}", f"train.out_dir={tmp_path}", "train.steps=8",
-                     "train.eval_every=8", "train.eval_batches=2"]
+                     "train.eval_every=8", "train.eval_batches=2", "train.device=cpu"]  # exact losses: one device
     masked = train(load_config(None, common + ["train.run_name=masked", "data.document_masking=true"]))
     assert len(calls) == 8 + 2 and all(c is not None and c.shape == (2 * 512 + 1,) for c in calls)
     assert any(int((c[1:] > c[:-1]).sum()) > 2 for c in calls)  # a boundary inside a row
