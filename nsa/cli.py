@@ -78,12 +78,17 @@ def _cmd_export(ns: argparse.Namespace) -> int:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from .inference.generate import generate_text, load_for_inference
+    from .inference.generate import generate_text, generate_texts, load_for_inference
 
+    prompts = ns.prompt or [""]
     loaded = load_for_inference(ns.checkpoint, ns.device)
-    generate_text(loaded.model, loaded.tokenizer, ns.prompt, ns.max_new_tokens,
-                  context=ns.max_context or loaded.context, temperature=ns.temperature, top_p=ns.top_p,
-                  top_k=ns.top_k, seed=ns.seed, compile=ns.compile)
+    options = {"context": ns.max_context or loaded.context, "temperature": ns.temperature, "top_p": ns.top_p,
+               "top_k": ns.top_k, "seed": ns.seed, "compile": ns.compile}
+    if len(prompts) == 1:
+        generate_text(loaded.model, loaded.tokenizer, prompts[0], ns.max_new_tokens, **options)
+    else:
+        texts = generate_texts(loaded.model, loaded.tokenizer, prompts, ns.max_new_tokens, **options)
+        print("\n\n".join(prompt + text for prompt, text in zip(prompts, texts)))
     return 0
 
 
@@ -214,10 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="generate text from a checkpoint (cached decoding, streamed to stdout)",
         description="Loads CHECKPOINT's model and tokenizer, prints the prompt and streams the continuation "
-        "until end-of-text or --max-new-tokens. Greedy with --temperature 0.",
+        "until end-of-text or --max-new-tokens. Greedy with --temperature 0. Several --prompt are continued "
+        "together (one packed prefill, then one decode step for all a token) and printed when done, each prompt "
+        "and its continuation, a blank line between them.",
     )
     p.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
-    p.add_argument("--prompt", default="", help="text to continue (empty: start from end-of-text)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="text to continue (empty: start from end-of-text); repeat for several")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate at most (default: 200, or as many as fit the context)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")

@@ -3,7 +3,13 @@
 from .attention import decode_attention, dense_decode_attention
 from .cache import DecodeCache, DenseLayerCache, NSALayerCache, new_cache
 from .decode import compiled_decode_step, decode_step, prefill
-from .generate import generate, generate_text, generate_uncached, load_for_inference
+from .generate import (
+    generate,
+    generate_text,
+    generate_texts,
+    generate_uncached,
+    load_for_inference,
+)
 from .graphed import GraphedDecoder
 
 __all__ = [
@@ -17,6 +23,7 @@ __all__ = [
     "dense_decode_attention",
     "generate",
     "generate_text",
+    "generate_texts",
     "generate_uncached",
     "load_for_inference",
     "new_cache",

@@ -13,8 +13,12 @@ An NSA layer keeps each branch's own state (docs/design.md#decoding):
 - `selected` [B,G,n] and `reads` [B,G]: what the last decode step chose and read (telemetry, tests).
 - `fused`: the layer's weights stacked for fewer matmuls per step (nsa.inference.fused), a snapshot.
 
-A dense layer keeps one plain `k`, `v` [B,L,G,D] and its own `fused` input weights. Positions beyond a sequence's length may hold
-stale values (e.g. right-padding from a ragged prefill); every reader masks by position.
+A dense layer keeps one plain `k`, `v` [B,L,G,D] and its own `fused` input weights.
+
+A prefill fills sequence b from B prompts of one length [B,T], or from B packed prompts of any lengths (one
+document each, docs/design.md#packed-documents): the raw stream at the document's own positions, and the
+document's own compressed tokens (its rows of the packed k_cmp, from compressed_offsets). Positions beyond a
+sequence's length may hold stale values; every reader masks by position.
 """
 
 from __future__ import annotations
@@ -25,12 +29,19 @@ import torch
 from torch import nn
 
 from ..model.attention import BRANCHES, NSAAttention
-from ..ops.geometry import NSAGeometry
+from ..model.documents import Documents
+from ..ops.geometry import NSAGeometry, compressed_offsets
 from .fused import FusedWeights, compress_pair, fuse
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return torch.arange(t.shape[0], device=t.device)
+
+
+def _slots(documents: Documents) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position) of each token of a packed stream [1, total] in a cache [B, L, ...]: document i is
+    sequence i, at its document-relative positions."""
+    return documents.ids, documents.positions[0]
 
 
 @dataclass
@@ -61,18 +72,32 @@ class NSALayerCache:
     def values(self, branch: str) -> torch.Tensor:
         return self.v[BRANCHES.index(branch) % self.v.shape[0]]
 
-    def fill(self, p: dict[str, torch.Tensor], k_cmp: torch.Tensor, v_cmp: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Store a prefill: project()'s keys/values [B,T,...] and the full compressor outputs."""
-        t, nc = p["q"].shape[1], k_cmp.shape[1]
+    def fill(self, p: dict[str, torch.Tensor], k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+             documents: Documents | None = None) -> None:
+        """Store a prefill: project()'s keys/values and the compressor's outputs, of B prompts of one length
+        ([B,T,...], [B,Nc,...]) or, with documents, of B packed prompts ([1,total,...], each document's compressed
+        tokens back to back in k_cmp [1,C,...])."""
+        if documents is None:
+            t, nc = p["q"].shape[1], k_cmp.shape[1]
+            for s in range(self.k.shape[0]):
+                self.k[s, :, :t] = p[f"k_{BRANCHES[s]}"]
+                self.v[s, :, :t] = p[f"v_{BRANCHES[s]}"]
+            self.k_cmp[:, :nc] = k_cmp
+            self.v_cmp[:, :nc] = v_cmp
+            self.n_cmp.fill_(nc)
+            return
+        slots = _slots(documents)
         for s in range(self.k.shape[0]):
-            self.k[s, :, :t] = p[f"k_{BRANCHES[s]}"]
-            self.v[s, :, :t] = p[f"v_{BRANCHES[s]}"]
-        self.k_cmp[:, :nc] = k_cmp
-        self.v_cmp[:, :nc] = v_cmp
-        # A shorter (right-padded) prompt has emitted fewer blocks; the ones past its length are stale.
-        geometry = self.geometry
-        emitted = torch.div(lengths - geometry.block_len, geometry.block_stride, rounding_mode="floor") + 1
-        self.n_cmp.copy_(emitted.clamp_min(0))
+            self.k[s].index_put_(slots, p[f"k_{BRANCHES[s]}"][0])
+            self.v[s].index_put_(slots, p[f"v_{BRANCHES[s]}"][0])
+        offsets = compressed_offsets(documents.cu_seqlens, self.geometry)
+        used = int(offsets[-1])  # rows of k_cmp past the last document's tokens hold none
+        if used:
+            # Document i's compressed tokens are its sequence's first offsets[i+1] - offsets[i].
+            compressed = _slots(Documents.from_cu_seqlens(offsets, 1, used))
+            self.k_cmp.index_put_(compressed, k_cmp[0, :used])
+            self.v_cmp.index_put_(compressed, v_cmp[0, :used])
+        self.n_cmp.copy_(offsets[1:] - offsets[:-1])
 
     def write(self, p: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
         """Store one token per sequence (project()'s outputs [B,1,...]) at positions [B]."""
@@ -116,9 +141,15 @@ class DenseLayerCache:
         r = slice(start, stop)
         return replace(self, k=self.k[r], v=self.v[r], reads=self.reads[r])
 
-    def fill(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[:, : k.shape[1]] = k
-        self.v[:, : v.shape[1]] = v
+    def fill(self, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None) -> None:
+        """Store a prefill's keys and values: of B prompts of one length [B,T,G,D], or with documents of B packed
+        prompts [1,total,G,D]."""
+        if documents is None:
+            self.k[:, : k.shape[1]] = k
+            self.v[:, : v.shape[1]] = v
+            return
+        self.k.index_put_(_slots(documents), k[0])
+        self.v.index_put_(_slots(documents), v[0])
 
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         rows = _rows(positions)

@@ -1,4 +1,4 @@
-"""Cached decoding: `prefill` runs the prompt and fills the caches, `decode_step` adds one token.
+"""Cached decoding: `prefill` runs the prompts and fills the caches, `decode_step` adds one token.
 
 Both walk the Transformer's own modules (embedding, blocks' attn_norm / attn / mlp_norm / mlp,
 final norm, lm_head) and repeat the attention layers' forward math around the cache, so a
@@ -7,12 +7,15 @@ decoded token's logits equal the full forward's at its position (tests/inference
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ..model.attention import NSAAttention
+from ..model.attention import NSAAttention, document_attention
+from ..model.compression import compress_pair
+from ..model.documents import Documents
 from ..model.rope import apply_rope
 from ..ops import nsa_attention
 from .attention import decode_attention, dense_decode_attention
@@ -20,14 +23,17 @@ from .cache import DecodeCache, DenseLayerCache, NSALayerCache
 from .fused import FusedWeights, gates_from, input_projections
 
 
-def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, lengths) -> torch.Tensor:
-    # NSAAttention.forward, keeping the projections and the compressed stream.
+def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, documents: Documents | None) -> torch.Tensor:
+    # NSAAttention.forward, keeping the projections and the compressed stream; packed prompts are already the
+    # one stream [1, total] that forward makes of packed documents.
     b, t, _ = x.shape
+    cu_seqlens = None if documents is None else documents.cu_seqlens
     p = attn.project(x, cos, sin)
-    k_cmp, v_cmp = attn.compress_k(p["k_cmp"]), attn.compress_v(p["v_cmp"])
-    cache.fill(p, k_cmp, v_cmp, lengths)
+    k_cmp, v_cmp = compress_pair(attn.compress_k, attn.compress_v, p["k_cmp"], p["v_cmp"], cu_seqlens)
+    cache.fill(p, k_cmp, v_cmp, documents)
     o = nsa_attention(p["q"], k_cmp, v_cmp, p["k_sel"], p["v_sel"], p["k_win"], p["v_win"],
-                      p["gates"].to(p["q"].dtype), geometry=attn.geometry, backend=attn.cfg.nsa.backend)
+                      p["gates"].to(p["q"].dtype), geometry=attn.geometry, backend=attn.cfg.nsa.backend,
+                      cu_seqlens=cu_seqlens)
     return attn.wo(o.reshape(b, t, -1))
 
 
@@ -52,13 +58,15 @@ def _dense_qkv(attn: nn.Module, x, cos, sin, fused: FusedWeights | None = None):
     return q, apply_rope(k, cos, sin), v
 
 
-def _dense_prefill(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, lengths) -> torch.Tensor:
+def _dense_prefill(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, documents: Documents | None) -> torch.Tensor:
     b, t, _ = x.shape
     q, k, v = _dense_qkv(attn, x, cos, sin)
-    cache.fill(k, v)
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-    )
+    cache.fill(k, v, documents)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if documents is None:
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        o = document_attention(q, k, v, documents.ids.view(b, t))
     return attn.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -71,44 +79,86 @@ def _dense_step(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, positions,
 
 
 PREFILL_TOKENS = 131072
-"""Most prompt tokens (rows x padded length) per prefill forward: a larger batch goes a few prompts at a
-time (16 prompts of 128k tokens in one forward would ask for ~50 GB of selected-branch buffers)."""
+"""Most prompt tokens per prefill forward: a larger batch goes a few prompts at a time (16 prompts of 128k tokens
+in one forward would ask for ~50 GB of selected-branch buffers). A longer prompt goes alone."""
 
 
-def _prefill_blocks(model: nn.Module, x, cos, sin, layers: list, lengths) -> torch.Tensor:
+def _prefill_blocks(model: nn.Module, x, cos, sin, layers: list, documents: Documents | None) -> torch.Tensor:
     for block, layer_cache in zip(model.layers, layers):
         fill = _nsa_prefill if isinstance(block.attn, NSAAttention) else _dense_prefill
-        x = x + fill(block.attn, block.attn_norm(x), cos, sin, layer_cache, lengths)
+        x = x + fill(block.attn, block.attn_norm(x), cos, sin, layer_cache, documents)
         x = x + block.mlp(block.mlp_norm(x))
     return x
 
 
+def _prompt_lengths(tokens: torch.Tensor, cache: DecodeCache, cu_seqlens: torch.Tensor | None) -> list[int]:
+    """Each prompt's length, after checking that the prompts fit the cache."""
+    b, t = tokens.shape
+    if cu_seqlens is None:
+        lengths = [t] * b
+    else:
+        bounds = cu_seqlens.tolist()
+        if b != 1 or cu_seqlens.dim() != 1 or bounds[0] != 0 or bounds[-1] != t:
+            raise ValueError(f"packed prompts are tokens [1, total] with cu_seqlens [B+1] from 0 to total, got tokens "
+                             f"{list(tokens.shape)} and cu_seqlens {bounds}")
+        lengths = [stop - start for start, stop in itertools.pairwise(bounds)]
+    if len(lengths) != cache.batch_size or not lengths or min(lengths) < 1 or max(lengths) > cache.max_len:
+        raise ValueError(f"prompts of lengths {lengths} do not fit a cache of batch {cache.batch_size}, max_len "
+                         f"{cache.max_len} (one prompt per sequence, each of 1..max_len tokens)")
+    return lengths
+
+
+def _forwards(lengths: list[int]) -> list[tuple[int, int]]:
+    """Runs a..z-1 of consecutive prompts, one forward each, of at most PREFILL_TOKENS tokens unless one prompt is
+    longer."""
+    runs, start, size = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and size + n > PREFILL_TOKENS:
+            runs.append((start, i))
+            start, size = i, 0
+        size += n
+    return runs + [(start, len(lengths))]
+
+
 @torch.no_grad()
 def prefill(model: nn.Module, tokens: torch.Tensor, cache: DecodeCache,
-            lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """Run prompts tokens [B,T] through the model, fill the cache, return each prompt's last logits [B,V].
+            cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Run prompts through the model, fill the cache (prompt b in sequence b), return each prompt's last logits [B,V].
 
-    Prompts of different lengths are right-padded into `tokens` with their lengths [B] given:
-    causality keeps the padding out of every real position, and decoding overwrites it.
+    tokens [B,T]: B prompts of T tokens. Prompts of different lengths come packed, with no padding: tokens
+    [1, total] holding them back to back and cu_seqlens (int [B+1], docs/design.md#packed-documents) where prompt b
+    is tokens cu_seqlens[b] .. cu_seqlens[b+1]-1. Each is its own document, so its logits and its cache equal
+    those of its prefill alone.
     """
-    b, t = tokens.shape
-    if b != cache.batch_size or t > cache.max_len or t < 1:
-        raise ValueError(f"prompts [B={b}, T={t}] do not fit a cache of batch {cache.batch_size}, "
-                         f"max_len {cache.max_len} (T must be 1..max_len)")
-    lengths = torch.full((b,), t, device=tokens.device) if lengths is None else lengths.to(tokens.device).long()
-    if lengths.min() < 1 or lengths.max() > t:
-        raise ValueError(f"prompt lengths must lie in 1..{t}, got {lengths.tolist()}")
-    cos, sin = model.rope(torch.arange(t, device=tokens.device))
-    per_forward = max(1, PREFILL_TOKENS // t)
+    lengths = _prompt_lengths(tokens, cache, cu_seqlens)
+    starts = [0, *itertools.accumulate(lengths)]
     logits = []
-    for a in range(0, b, per_forward):
-        z = min(b, a + per_forward)
-        x = _prefill_blocks(model, model.tok_emb(tokens[a:z]), cos, sin, [c.rows(a, z) for c in cache.layers],
-                            lengths[a:z])
-        logits.append(model.lm_head(model.norm(x[torch.arange(z - a, device=x.device), lengths[a:z] - 1])))
-    cache.lengths.copy_(lengths)
-    cache.host_lengths = lengths.tolist()
+    for a, z in _forwards(lengths):
+        layers = [c.rows(a, z) for c in cache.layers]
+        if cu_seqlens is None:
+            logits.append(_prefill_rows(model, tokens[a:z], layers))
+        else:
+            logits.append(_prefill_packed(model, tokens[:, starts[a]:starts[z]], lengths[a:z], layers))
+    cache.lengths.copy_(torch.tensor(lengths))
+    cache.host_lengths = lengths
     return torch.cat(logits)
+
+
+def _prefill_rows(model: nn.Module, tokens: torch.Tensor, layers: list) -> torch.Tensor:
+    """Last logits [B,V] of B prompts of one length, tokens [B,T], filling the caches `layers` of B sequences."""
+    cos, sin = model.rope(torch.arange(tokens.shape[1], device=tokens.device))
+    x = _prefill_blocks(model, model.tok_emb(tokens), cos, sin, layers, None)
+    return model.lm_head(model.norm(x[:, -1]))
+
+
+def _prefill_packed(model: nn.Module, tokens: torch.Tensor, lengths: list[int], layers: list) -> torch.Tensor:
+    """Last logits [B,V] of B packed prompts of these lengths, tokens [1,total], filling the caches `layers` of B
+    sequences: one forward over packed documents, at document-relative positions."""
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=tokens.device)
+    documents = Documents.from_cu_seqlens(cu_seqlens, 1, tokens.shape[1])
+    cos, sin = model.rope(documents.positions)
+    x = _prefill_blocks(model, model.tok_emb(tokens), cos, sin, layers, documents)
+    return model.lm_head(model.norm(x[0, cu_seqlens[1:].long() - 1]))
 
 
 def step_logits(model: nn.Module, token: torch.Tensor, layers: list, positions: torch.Tensor,

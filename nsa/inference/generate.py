@@ -5,6 +5,7 @@ rebuilding model + tokenizer from a checkpoint (`load_for_inference`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,18 +65,24 @@ def load_for_inference(checkpoint_path: str | Path, device: str | torch.device =
     return LoadedModel(model.to(device).eval(), tokenizer, config, path)
 
 
-def _pad_prompts(prompt_ids, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded tokens [B,T] and lengths [B] from one prompt or a batch of prompts (ids or a tensor)."""
+def _prompt_list(prompt_ids) -> list[list[int]]:
+    """One prompt or a batch of prompts (ids or a tensor) as a list of prompts, each of at least one token."""
     if hasattr(prompt_ids, "tolist"):  # a tensor or numpy array
         prompt_ids = prompt_ids.tolist()
     prompts = [list(prompt_ids)] if not prompt_ids or not isinstance(prompt_ids[0], Sequence) else prompt_ids
-    lengths = [len(p) for p in prompts]
-    if min(lengths) < 1:
+    if min(len(p) for p in prompts) < 1:
         raise UserError("every prompt needs at least one token (e.g. the end-of-text id)")
-    tokens = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        tokens[row, : len(p)] = torch.as_tensor(p, dtype=torch.long)
-    return tokens.to(device), torch.as_tensor(lengths, device=device)
+    return [list(p) for p in prompts]
+
+
+def _prefill_inputs(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """prefill's (tokens, cu_seqlens): prompts of one length as rows [B,T] with no boundaries, others packed back
+    to back [1,total] with their boundaries (no padding)."""
+    if len({len(p) for p in prompts}) == 1:
+        return torch.tensor(prompts, dtype=torch.long, device=device), None
+    tokens = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(len(p) for p in prompts)], dtype=torch.int32, device=device)
+    return tokens, cu_seqlens
 
 
 @torch.no_grad()
@@ -93,6 +100,9 @@ def generate(
 ) -> list[list[int]]:
     """The new tokens of each prompt (one prompt, or a batch of any lengths), greedy when temperature == 0.
 
+    Prompts of different lengths are prefilled as one packed forward (each its own document, no padding), then
+    decoded together, each sequence at its own position.
+
     on_token receives each step's tokens [B] as soon as they are chosen. A sequence that produces
     stop_id ends there (stop_id is kept); generation ends when every sequence has. compile: torch.compile
     the decode step first (the same tokens; the step's many small kernels fuse, which pays back the
@@ -100,16 +110,17 @@ def generate(
     """
     check_sampling(temperature, top_p, top_k)
     device = next(model.parameters()).device
-    tokens, lengths = _pad_prompts(prompt_ids, device)
+    prompts = _prompt_list(prompt_ids)
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     was_training = model.training
     model.eval()
     try:
-        cache = new_cache(model, tokens.shape[0], tokens.shape[1] + max(max_new_tokens - 1, 0))
-        logits = prefill(model, tokens, cache, lengths)
+        cache = new_cache(model, len(prompts), max(map(len, prompts)) + max(max_new_tokens - 1, 0))
+        tokens, cu_seqlens = _prefill_inputs(prompts, device)
+        logits = prefill(model, tokens, cache, cu_seqlens)
         decoder = GraphedDecoder(model, cache, compile=compile)  # CUDA graphs on a GPU: one launch a token
-        out: list[list[int]] = [[] for _ in range(tokens.shape[0])]
-        done = [False] * tokens.shape[0]
+        out: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
         for step in range(max_new_tokens):
             token = next_token(logits, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
             if on_token is not None:
@@ -148,9 +159,11 @@ def generate_uncached(
     """
     check_sampling(temperature, top_p, top_k)
     device = next(model.parameters()).device
-    tokens, lengths = _pad_prompts(prompt_ids, device)
-    if bool((lengths != tokens.shape[1]).any()):
-        raise ValueError(f"generate_uncached takes prompts of one length, got {lengths.tolist()}")
+    prompts = _prompt_list(prompt_ids)
+    if len({len(p) for p in prompts}) > 1:
+        raise ValueError(f"generate_uncached takes prompts of one length, got {[len(p) for p in prompts]}")
+    tokens = torch.tensor(prompts, dtype=torch.long, device=device)
+    prompt_len = tokens.shape[1]
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     was_training = model.training
     model.eval()
@@ -163,7 +176,7 @@ def generate_uncached(
             tokens = torch.cat([tokens, token[:, None]], dim=1)
     finally:
         model.train(was_training)
-    return tokens[:, lengths[0]:].tolist()
+    return tokens[:, prompt_len:].tolist()
 
 
 DEFAULT_NEW_TOKENS = 200
@@ -186,6 +199,37 @@ def check_lengths(prompt_len: int, max_new_tokens: int | None, context: int) -> 
                         f"context of {context} tokens; use --max-new-tokens {context - prompt_len} or less, "
                         f"or raise --max-context")
     return max_new_tokens
+
+
+def _prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt's token ids; an empty prompt starts from end-of-text."""
+    return [int(i) for i in tokenizer.encode(prompt)] or [tokenizer.eot_id]
+
+
+def generate_texts(
+    model: nn.Module,
+    tokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int | None = None,
+    *,
+    context: int,
+    temperature: float = 0.8,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    compile: bool = False,
+) -> list[str]:
+    """The continuation of each prompt (up to end-of-text), generated together by `generate`: one packed prefill
+    of the prompts, whatever their lengths, then each sequence decoded at its own position.
+
+    Each prompt and its continuation must fit `context` tokens together; max_new_tokens None is up to
+    DEFAULT_NEW_TOKENS, as many as fit after the longest prompt.
+    """
+    ids = [_prompt_ids(tokenizer, prompt) for prompt in prompts]
+    max_new_tokens = check_lengths(max(map(len, ids)), max_new_tokens, context)
+    new = generate(model, ids, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                   stop_id=tokenizer.eot_id, compile=compile)
+    return [tokenizer.decode(tokens[:-1] if tokens and tokens[-1] == tokenizer.eot_id else tokens) for tokens in new]
 
 
 def _write_stdout(text: str) -> None:
@@ -216,7 +260,7 @@ def generate_text(
     max_new_tokens None is DEFAULT_NEW_TOKENS. compile applies to the cached decode step.
     """
     write = write or _write_stdout
-    ids = [int(i) for i in tokenizer.encode(prompt)] or [tokenizer.eot_id]
+    ids = _prompt_ids(tokenizer, prompt)
     if cached:
         max_new_tokens = check_lengths(len(ids), max_new_tokens, context)
     elif max_new_tokens is None:

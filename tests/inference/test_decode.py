@@ -1,6 +1,7 @@
 """Cached decoding (nsa.inference): decode equals the full forward, the compressed stream, reads,
 the selection, generation, and `nsa generate` from a trained checkpoint."""
 
+import importlib
 import json
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from nsa.model import ModelConfig, NSAParams, Transformer
 from nsa.ops import reference
 from nsa.ops.geometry import num_compressed_blocks
 from nsa.train.loop import train
+
+generate_module = importlib.import_module("nsa.inference.generate")  # the package's `generate` is the function
 
 # Small enough that every branch is sparse at T: 4 of 13 selection blocks, a 16-token window.
 HYPER = dict(block_len=8, block_stride=4, sel_block=8, n_sel=4, window=16)
@@ -124,26 +127,100 @@ def test_a_decode_step_fuses_the_input_maps_and_phi_into_few_matmuls(attention, 
         assert phi == ([(2, 64, 16), (2, 16, 8)] * 2 if attention == "nsa" and t == 39 else [])
 
 
-@pytest.mark.parametrize("attention", ["nsa", "dense"])
-@pytest.mark.parametrize("prefill_tokens", [None, 100], ids=["one-forward", "two-prompts-a-forward"])
-def test_prompts_of_different_lengths_decode_like_each_alone(attention, prefill_tokens, monkeypatch):
-    if prefill_tokens:  # prompts padded to 50 tokens: rows 0-1, then row 2, each prefilled into its cache rows
+# Prompts of one token, shorter than a compressed block (l = 8), of one block exactly, between blocks and
+# across selection blocks (l' = 8).
+RAGGED = [1, 5, 8, 37, 50]
+
+
+def packed(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts back to back, tokens [1, total], and their boundaries cu_seqlens [B+1]."""
+    lengths = torch.tensor([0] + [len(p) for p in prompts])
+    return torch.cat(prompts)[None], lengths.cumsum(0).to(torch.int32)
+
+
+def packed_then_decoded(model, seqs, lengths, steps):
+    """Logits [B, steps+1, V]: one packed prefill of seqs[b, :lengths[b]], then `steps` steps of every sequence,
+    each at its own position; and the cache."""
+    cache = new_cache(model, len(lengths), max(lengths) + steps)
+    tokens, cu_seqlens = packed([s[:n] for s, n in zip(seqs, lengths)])
+    got = [prefill(model, tokens, cache, cu_seqlens)]
+    positions = torch.tensor(lengths)
+    for k in range(steps):
+        got.append(decode_step(model, seqs[torch.arange(len(lengths)), positions + k], cache))
+    return torch.stack(got, 1), cache
+
+
+@pytest.mark.parametrize("attention,changes", [("nsa", {}), ("nsa", {"shared_kv": True}), ("dense", {})])
+@pytest.mark.parametrize("prefill_tokens", [None, 60], ids=["one-forward", "a-few-prompts-a-forward"])
+def test_packed_prompts_of_different_lengths_decode_like_each_alone(attention, changes, prefill_tokens, monkeypatch):
+    """Each decoded step's logits equal the full forward of that sequence alone (no padding, nothing shared)."""
+    if prefill_tokens:  # runs of prompts of at most 60 tokens: [1, 5, 8, 37], then [50], each its own forward
         monkeypatch.setattr("nsa.inference.decode.PREFILL_TOKENS", prefill_tokens)
-    model = tiny_model(attention, seed=3)
-    seqs = tokens_for(3, 80, seed=2)
-    lengths = torch.tensor([1, 37, 50])
-    prompts = tokens_for(3, 50, seed=9)  # the padding past each length is junk that must not leak
-    for b, n in enumerate(lengths.tolist()):
-        prompts[b, :n] = seqs[b, :n]
-    cache = new_cache(model, 3, 80)
-    got = [prefill(model, prompts, cache, lengths)]
-    for k in range(30):
-        got.append(decode_step(model, seqs[torch.arange(3), lengths + k], cache))
-    got = torch.stack(got, 1)
-    with torch.no_grad():
-        full = model(seqs)
-    for b, n in enumerate(lengths.tolist()):
-        torch.testing.assert_close(got[b], full[b, n - 1: n + 30], rtol=1e-10, atol=1e-10)
+    model = tiny_model(attention, seed=3, **changes)
+    seqs = tokens_for(len(RAGGED), 80, seed=2)
+    got, _ = packed_then_decoded(model, seqs, RAGGED, 20)
+    for b, n in enumerate(RAGGED):
+        with torch.no_grad():
+            alone = model(seqs[b: b + 1, : n + 20])[0]
+        torch.testing.assert_close(got[b], alone[n - 1:], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_packed_prefill_fills_each_sequence_as_its_prefill_alone(attention):
+    """The packed prefill's last logits are each prompt's own, and each sequence's cache (raw keys and values,
+    compressed tokens, their count) holds what a cached prefill of that prompt alone holds, so every step after
+    it matches the single-sequence cached decode."""
+    model = tiny_model(attention, seed=4)
+    seqs = tokens_for(len(RAGGED), 70, seed=5)
+    got, cache = packed_then_decoded(model, seqs, RAGGED, 12)
+    for b, n in enumerate(RAGGED):
+        alone, alone_cache = decode_logits(model, seqs[b: b + 1, : n + 12], n)
+        torch.testing.assert_close(got[b], alone[0], rtol=1e-10, atol=1e-10)
+        assert cache.host_lengths[b] == alone_cache.host_lengths[0] == n + 12
+        for mine, theirs in zip(cache.layers, alone_cache.layers):
+            held = n + 12
+            torch.testing.assert_close(mine.k[..., b, :held, :, :], theirs.k[..., 0, :held, :, :], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(mine.v[..., b, :held, :, :], theirs.v[..., 0, :held, :, :], rtol=1e-12, atol=1e-12)
+            if attention == "nsa":
+                nc = num_compressed_blocks(held, HYPER["block_len"], HYPER["block_stride"])
+                assert mine.n_cmp[b].item() == theirs.n_cmp[0].item() == nc
+                torch.testing.assert_close(mine.k_cmp[b, :nc], theirs.k_cmp[0, :nc], rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(mine.v_cmp[b, :nc], theirs.v_cmp[0, :nc], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_the_packed_prefill_compresses_each_prompt_inside_itself(attention):
+    """Right after a packed prefill, sequence b holds Nc(L_b) compressed tokens equal to its full forward's, and
+    the last logits equal each prompt's own forward at its last token (no step taken)."""
+    model = tiny_model(attention, seed=8)
+    prompts = [tokens_for(1, n, seed=20 + n)[0] for n in RAGGED]
+    cache = new_cache(model, len(RAGGED), max(RAGGED))
+    tokens, cu_seqlens = packed(prompts)
+    last = prefill(model, tokens, cache, cu_seqlens)
+    for b, prompt in enumerate(prompts):
+        with torch.no_grad():
+            want, layers = full_forward_layers(model, prompt[None]) if attention == "nsa" else (model(prompt[None]), [])
+        torch.testing.assert_close(last[b], want[0, -1], rtol=1e-10, atol=1e-10)
+        for layer_cache, full in zip(cache.layers, layers):
+            nc = full["k_cmp"].shape[1]
+            assert layer_cache.n_cmp[b].item() == nc
+            torch.testing.assert_close(layer_cache.k_cmp[b, :nc], full["k_cmp"][0], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(layer_cache.v_cmp[b, :nc], full["v_cmp"][0], rtol=1e-12, atol=1e-12)
+    assert cache.lengths.tolist() == cache.host_lengths == RAGGED
+
+
+@pytest.mark.parametrize("cu_seqlens,message", [
+    ([0, 3, 3, 10], "do not fit"),  # an empty prompt
+    ([0, 3, 10], "do not fit"),  # two prompts for a cache of three sequences
+    ([0, 3, 6, 9], "from 0 to total"),  # boundaries that miss the last token
+    ([1, 3, 6, 10], "from 0 to total"),
+])
+def test_packed_prompts_that_do_not_fit_the_cache_are_refused(cu_seqlens, message):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=message):
+        prefill(model, tokens_for(1, 10), new_cache(model, 3, 8), torch.tensor(cu_seqlens, dtype=torch.int32))
+    with pytest.raises(ValueError, match="do not fit"):  # a prompt longer than the cache
+        prefill(model, tokens_for(1, 10), new_cache(model, 2, 6), torch.tensor([0, 1, 10], dtype=torch.int32))
 
 
 def test_the_compressed_stream_is_emitted_on_schedule_and_equals_the_full_compressor():
@@ -255,10 +332,17 @@ def test_contexts_shorter_than_one_compressed_block_generate_the_full_forwards_a
     assert generate(model, prompt, new_tokens, temperature=0) == want
 
 
-def test_a_ragged_batch_generates_what_each_prompt_generates_alone():
-    model = tiny_model(seed=14)
-    prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (3, 20, 9)]
-    assert generate(model, prompts, 25, temperature=0) == [generate(model, p, 25, temperature=0)[0] for p in prompts]
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_a_ragged_batch_generates_what_each_prompt_generates_alone(attention, monkeypatch):
+    prefills = []
+    real_prefill = generate_module.prefill
+    monkeypatch.setattr(generate_module, "prefill", lambda *args: prefills.append(args) or real_prefill(*args))
+    model = tiny_model(attention, seed=14)
+    prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (3, 20, 1, 9)]
+    together = generate(model, prompts, 12, temperature=0)
+    _, tokens, _, cu_seqlens = prefills[0]  # one packed prefill, no padding
+    assert len(prefills) == 1 and tokens.shape == (1, 33) and cu_seqlens.tolist() == [0, 3, 23, 24, 33]
+    assert together == [generate_uncached(model, [p], 12, context=1000, temperature=0)[0] for p in prompts]
 
 
 def test_sampling_is_seeded_and_streams_every_token():
@@ -325,6 +409,20 @@ def test_nsa_generate_continues_a_two_token_prompt(run_dir, capsys):
     if loaded.tokenizer.eot_id in ids:
         ids = ids[: ids.index(loaded.tokenizer.eot_id)]
     assert printed == "hi" + loaded.tokenizer.decode(ids) + "\n"
+
+
+def test_nsa_generate_continues_several_prompts_together_as_each_alone(run_dir, capsys):
+    # Prompts of different lengths ("hi" is shorter than one compressed block), one packed prefill.
+    prompts = [PROMPT, "hi", "In the beginning God created the heaven"]
+    alone = []
+    for prompt in prompts:
+        assert main(["generate", str(run_dir), "--prompt", prompt, "--max-new-tokens", "10", "--temperature", "0",
+                     "--device", "cpu"]) == 0
+        alone.append(capsys.readouterr().out.rstrip("\n"))
+    args = ["generate", str(run_dir), "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu"]
+    assert main(args + [arg for prompt in prompts for arg in ("--prompt", prompt)]) == 0
+    assert capsys.readouterr().out == "\n\n".join(alone) + "\n"
+    assert len(set(alone)) == 3 and all(text.startswith(prompt) for text, prompt in zip(alone, prompts))
 
 
 def test_nsa_generate_compiled_writes_the_same_greedy_text(run_dir, capsys, monkeypatch):

@@ -149,7 +149,8 @@ def test_the_graphed_decoder_steps_like_the_full_forward(monkeypatch):
     full = model(tokens)
     lengths = torch.tensor([13, 22], device=DEVICE)
     cache = new_cache(model, 2, 34)
-    prefill(model, tokens[:, :22], cache, lengths)
+    packed = torch.cat([tokens[0, :13], tokens[1, :22]])[None]  # the prompts back to back, one document each
+    prefill(model, packed, cache, torch.tensor([0, 13, 35], dtype=torch.int32, device=DEVICE))
     decoder = GraphedDecoder(model, cache)
     for k in range(12):  # t = 13..24 and 22..33: emissions at t = 15, 19, 23 and 23, 27, 31 (l = 8, d = 4)
         got = decoder(tokens[[0, 1], lengths + k])
