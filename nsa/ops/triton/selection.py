@@ -178,16 +178,21 @@ def _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse
 
 
 @triton.jit
-def _store_choice(IDX_B, tok, sit, g_off, best, jj, j_t, all_fit, n_sel, store_ok):
-    """Stores the rows' n_sel chosen blocks (ascending, -1 padded) at IDX_B + tok * sit + g_off where store_ok."""
+def _store_choice(IDX, b, sib, tok, sit, g, sig, best, jj, j_t, all_fit, n_sel, first, end, PACKED: tl.constexpr):
+    """Stores the rows' n_sel chosen blocks (ascending, -1 padded) for the tokens tok in [first, end) (unpacked:
+    tok < end, every row's token is >= first)."""
     # `best` is sorted by key, descending: keep the first n_sel, then order them by block index.
     chosen = tl.where((best >= 0) & (jj[None, :] < n_sel), 4294967295 - (best & 4294967295), -1)
     BIG: tl.constexpr = 2147483647
     chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG))  # ascending; padding sorts last
     chosen = tl.where(chosen == BIG, -1, chosen)
     chosen = tl.where(all_fit, tl.where(jj[None, :] <= j_t[:, None], jj[None, :], -1), chosen)
-    tl.store(IDX_B + tok.to(tl.int64)[:, None] * sit + g_off + jj[None, :], chosen,
-             mask=store_ok[:, None] & (jj[None, :] < n_sel))
+    if PACKED:
+        store_ok = (tok[:, None] >= first) & (tok[:, None] < end)
+    else:
+        store_ok = tok[:, None] < end
+    tl.store(IDX + b * sib + tok.to(tl.int64)[:, None] * sit + g * sig + jj[None, :], chosen,
+             mask=store_ok & (jj[None, :] < n_sel))
 
 
 @triton.jit
@@ -212,9 +217,9 @@ def _select_kernel(
         qb, rtb, lse2b = _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, HA, HB, DK, BLOCK_T)
 
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    jj = tl.arange(0, K)
-    ci_local = tl.arange(0, C)
     if PACKED:
+        jj = tl.arange(0, K)
+        ci_local = tl.arange(0, C)
         # The tile's tokens may belong to several documents: each document's rows are ranked on their own, against
         # that document's compressed tokens and in its own positions, the other rows' p held at 0 (lse +inf).
         tile_end = tl.minimum(T, pid_t * BLOCK_T + BLOCK_T)
@@ -237,8 +242,7 @@ def _select_kernel(
                            tl.where((rtb >= first) & (rtb <= last), lse2b, float("inf")), nc, scale_log2, block_len,
                            block_stride, j_t, jj, w_cur, w_nxt, shift, n_whole, n_chunks, DK, BLOCK_T, HA, HB, K, C,
                            R, TRANS, EXACT)
-            _store_choice(IDX + b * sib, tok, sit, g * sig, best, jj, j_t, all_fit, n_sel,
-                          (tok >= first) & (tok <= last))
+            _store_choice(IDX, b, sib, tok, sit, g, sig, best, jj, j_t, all_fit, n_sel, first, last + 1, PACKED)
             first = last + 1
     else:
         j_t = tok // sel_block
@@ -246,12 +250,14 @@ def _select_kernel(
         t_last = tl.minimum(T - 1, t_first + BLOCK_T - 1)
         all_fit, n_chunks, n_whole = _chunk_plan(t_first, t_last, block_len, block_stride, sel_block, n_sel,
                                                  chunk_tokens, K)
+        jj = tl.arange(0, K)
+        ci_local = tl.arange(0, C)
         w_cur, w_nxt, shift = _overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K, R)
         kbase = KC + b * skb + g * skg
         best = _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
                        block_len, block_stride, j_t, jj, w_cur, w_nxt, shift, n_whole, n_chunks, DK, BLOCK_T, HA, HB,
                        K, C, R, TRANS, EXACT)
-        _store_choice(IDX + b * sib, tok, sit, g * sig, best, jj, j_t, all_fit, n_sel, tok < T)
+        _store_choice(IDX, b, sib, tok, sit, g, sig, best, jj, j_t, all_fit, n_sel, 0, T, PACKED)
 
 
 def stencil_rank(block_len: int, block_stride: int, sel_block: int) -> int:
