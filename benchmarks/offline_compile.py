@@ -35,19 +35,23 @@ DIVISIBLE = {
     "sgb", "slb", "sib", "sit", "sig", "T", "NS", "n", "n_sel", "sel_block", "block_len", "block_stride", "window",
     "rows_per_split", "chunk_tokens", "NC",
 } - {"sgt", "sgh", "sgc"}
+# Unpacked launches pass None for the packed documents' tables (constexpr: absent from the compiled kernel).
+UNPACKED = dict(PACKED=False, DOC_START=None, DOC_END=None, CMP_START=None, SEL_START=None, BLOCK_START=None,
+                BLOCK_END=None)
 # kernel: (function, constexprs, pointer types, float scalars); every other argument is an i32 scalar.
 KERNELS = {
     "select": (selection._select_kernel,
-               dict(DK=64, BLOCK_DK=64, BLOCK_T=16, HA=4, HB=2, K=16, C=64, R=4, TRANS=True, EXACT=True),
+               dict(DK=64, BLOCK_DK=64, BLOCK_T=16, HA=4, HB=2, K=16, C=64, R=4, TRANS=True, EXACT=True, **UNPACKED),
                dict(Q=BF16, KC=BF16, LSE=F32, IDX=I64), ("scale_log2",)),
     "sel_fwd_partial": (selected_attention._sel_fwd_partial_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64, h=6, n=16,
-                                                                        FULL=True),
+                                                                        FULL=True, **UNPACKED),
                         dict(Q=BF16, K=BF16, V=BF16, OPART=BF16, LSEPART=F32, ITEM_KEY=I32, ITEM_START=I32,
                              ITEM_COUNT=I32, ENTRIES=I32), ("scale_log2",)),
-    "sel_bwd": (selected_attention._sel_bwd_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64, WRITE_DQ=True, h=6, n=16, FULL=True),
+    "sel_bwd": (selected_attention._sel_bwd_kernel,
+                dict(**DIMS, BLOCK_L=64, BLOCK_R=64, WRITE_DQ=True, h=6, n=16, FULL=True, **UNPACKED),
                 dict(Q=BF16, K=BF16, V=BF16, DO=BF16, LSE=F32, DELTA=F32, DKo=F32, DVo=F32, DQPART=BF16,
                      ITEM_KEY=I32, ITEM_START=I32, ITEM_COUNT=I32, ENTRIES=I32), ("scale_log2", "scale")),
-    "sel_token_dq": (selected_attention._sel_token_dq_kernel, dict(**DIMS, HP=16, BLOCK_L=64),
+    "sel_token_dq": (selected_attention._sel_token_dq_kernel, dict(**DIMS, HP=16, BLOCK_L=64, **UNPACKED),
                      dict(Q=BF16, K=BF16, V=BF16, IDX=I64, DO=BF16, LSE=F32, DELTA=F32, DQ=F32),
                      ("scale_log2", "scale")),
     "finalize": (selected_attention._finalize_kernel, dict(MERGE=True, DV=64, BLOCK_DV=64, BLOCK_M=64, NP=16, h=6),
@@ -69,7 +73,7 @@ KERNELS = {
                                     **{f"{x}_{c}": F32 for x in ("LSE", "DELTA") for c in "CSW"}),
                                ("scale_log2", "scale"))
        for name, sel in (("tiled", 1), ("parts", 2))},
-    "index_keys": (inverse_index._entry_keys_kernel, dict(n=16, BLOCK=1024), dict(IDX=I64, KEYS=I32), ()),
+    "index_keys": (inverse_index._entry_keys_kernel, dict(n=16, BLOCK=1024, **UNPACKED), dict(IDX=I64, KEYS=I32), ()),
     "index_bounds": (inverse_index._key_bounds_kernel, dict(BLOCK=1024), dict(SORTED=I32, STARTS=I32, ENDS=I32),
                      ()),
     "index_counts": (inverse_index._key_items_kernel, dict(BLOCK=1024), dict(STARTS=I32, ENDS=I32, ITEMS=I32), ()),

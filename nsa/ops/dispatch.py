@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .branches import BLOCKS, MODE_SEL, MODE_WIN, SEL_DENSE, SEL_PARTS, SEL_TILED, TILED, TOKEN, SelectedDQ
 from .geometry import NSAGeometry
+from .packing import PackedLayout
 from .gluon import backward as gluon_backward
 from .gluon import forward as gluon_forward
 from .gluon import query_grad as gluon_query_grad
@@ -151,10 +152,12 @@ def query_grad(q: Tensor, do: Tensor, lse_g: Tensor, delta: Tensor, scale: float
 
 
 def selected_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse: tuple, o_cmp: Tensor, o_win: Tensor,
-                     gates: Tensor, scale: float, geometry: NSAGeometry) -> tuple[Tensor, Tensor, Tensor]:
+                     gates: Tensor, scale: float, geometry: NSAGeometry,
+                     layout: PackedLayout | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(o, o_sel, lse_sel): the selected branch and the gated sum of all three branches.
 
-    `inverse` (from inverse_index.build_inverse_index) is read on the block-centric path.
+    `inverse` (from inverse_index.build_inverse_index, with the same `layout`) is read on the block-centric path.
+    With `layout`, a packed stream's documents (document-relative indices), on the Triton kernels.
     """
     B, T, H, _ = q.shape
     G, Dv = k.shape[2], v.shape[-1]
@@ -169,22 +172,23 @@ def selected_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse: 
     lse_sel = q.new_empty(B, T, H, dtype=torch.float32)
     opart = lsepart = lse_sel  # the block-centric partials; unused by the per-query path
     if path == TOKEN:
-        triton_selected.token_forward(q, k, v, indices, o_sel, lse_sel, scale, sel_block)
+        triton_selected.token_forward(q, k, v, indices, o_sel, lse_sel, scale, sel_block, layout)
     else:
         opart = q.new_empty(B * G * T * n, h, Dv)
         lsepart = q.new_empty(B * G * T * n, h, dtype=torch.float32)
-        if _gluon_selected_forward(q, k, v, sel_block):
+        if layout is None and _gluon_selected_forward(q, k, v, sel_block):
             gluon_selected_forward.launch(q, k, v, inverse, opart, lsepart, scale, n)
         else:
-            triton_selected.block_partials(q, k, v, inverse, opart, lsepart, scale, sel_block, n)
+            triton_selected.block_partials(q, k, v, inverse, opart, lsepart, scale, sel_block, n, layout)
     triton_selected.finalize(opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel, merge=path == BLOCKS)
     return o, o_sel, lse_sel
 
 
 def selected_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse: tuple, do: Tensor, lse: Tensor,
-                      delta: Tensor, scale: float, geometry: NSAGeometry) -> tuple[Tensor, Tensor, SelectedDQ]:
+                      delta: Tensor, scale: float, geometry: NSAGeometry,
+                      layout: PackedLayout | None = None) -> tuple[Tensor, Tensor, SelectedDQ]:
     """(dK, dV) (float32, or k's type where span_dkdv stores them once) and the branch's share of dQ as query_grad
-    takes it.
+    takes it. With `layout`, a packed stream's documents, on the Triton kernels (`inverse` built with it too).
 
     do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
     gating.gate_grads (lse_sel - ln(gate), rowsum(do * o_sel)).
@@ -199,7 +203,7 @@ def selected_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse:
         return dk, dv, SelectedDQ(SEL_TILED, k=k, v=v, choice=bits)
     token = path == TOKEN
     if token and inverse[0].numel() == 0:  # its dK/dV is block-centric too; a per-query forward built no index
-        inverse = build_inverse_index(indices, T, sel_block)
+        inverse = build_inverse_index(indices, T, sel_block, layout)
     item_key = inverse[0]
     partials = deterministic()
     alloc = torch.empty if partials else torch.zeros  # the sums below write every row, the atomics add into zeros
@@ -210,7 +214,7 @@ def selected_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse:
     block_l = triton_selected.block_tile(sel_block)["BLOCK_L"]
     dk_acc, dv_acc = ((torch.empty(item_key.numel(), block_l, x.shape[-1], device=x.device, dtype=torch.float32)
                        for x in (k, v)) if partials else (dk_out, dv_out))
-    gluon = _gluon_selected_backward(q, k, v, do, sel_block, write_dq=not token)
+    gluon = layout is None and _gluon_selected_backward(q, k, v, do, sel_block, write_dq=not token)
     # The Gluon kernel adds the rows' dQ into one float32 dQ (less memory than per-slot shares, a float32 sum),
     # except in deterministic mode, whose sums need a fixed order: there it writes shares as Triton's does.
     dq_adds = gluon and not token and not partials
@@ -223,14 +227,14 @@ def selected_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse:
                                        partials, dq_adds)
     else:
         triton_selected.block_backward(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, scale, sel_block,
-                                       n, not token, partials)
+                                       n, not token, partials, layout)
     if partials:
         for part, out in ((dk_acc, dk_out), (dv_acc, dv_out)):
-            triton_selected.sum_item_partials(part, item_key, out, T, G, sel_block)
+            triton_selected.sum_item_partials(part, item_key, out, T, G, sel_block, layout)
     if dq_adds:
         return dk_out, dv_out, SelectedDQ(SEL_DENSE, choice=indices, dq=dqpart)
     if not token:
         return dk_out, dv_out, SelectedDQ(SEL_PARTS, choice=indices, parts=dqpart)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    triton_selected.token_dq(q, k, v, indices, do, lse, delta, dq, scale, sel_block)
+    triton_selected.token_dq(q, k, v, indices, do, lse, delta, dq, scale, sel_block, layout)
     return dk_out, dv_out, SelectedDQ(SEL_DENSE, choice=indices, dq=dq)

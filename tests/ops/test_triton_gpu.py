@@ -394,11 +394,7 @@ def test_phi_kernels_in_bf16_match_the_float32_module(B, T):
 
 def document_lengths(total, longest, seed):
     """Lengths drawn between 1 and `longest` tokens, summing to total, then two empty padding documents."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < total:
-        lengths.append(min(int(torch.randint(1, longest + 1, (1,), generator=g)), total - sum(lengths)))
-    return lengths + [0, 0]
+    return drawn_lengths(total, longest, seed) + [0, 0]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -435,3 +431,119 @@ def test_packed_phi_kernels_in_bf16_match_the_float32_module(seed):
     torch.testing.assert_close(compiled(x, cu), got[0], rtol=0, atol=0)
     one = torch.tensor([0, 16384], dtype=torch.int32, device="cuda")
     torch.testing.assert_close(fasts[0](x, one), fasts[0](x), rtol=0, atol=0)
+
+
+def packed_stream(lengths, name, seed=0):
+    """q [1,total,H,Dk], k_cmp [1,Nc(total),G,Dk], k, v [1,total,G,D] (bf16) and cu_seqlens (int32, a trailing
+    empty document as padding) of one packed stream, with each token's compressed log-sum-exp [1,total,H] (float32)
+    over its own document's compressed tokens."""
+    H, G, Dk, Dv = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lengths)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    q, k_cmp = rnd(1, total, H, Dk), rnd(1, GEOMETRY.num_compressed_blocks(total), G, Dk)
+    k, v = rnd(1, total, G, Dk), rnd(1, total, G, Dv)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist(), total], dtype=torch.int32, device="cuda")
+    lse = torch.full(q.shape[:3], float("-inf"), device="cuda")
+    for (a, b), (r0, r1) in packed_documents(cu):
+        s = torch.einsum("thd,nhd->thn", q[0, a:b].float(), k_cmp[0, r0:r1].float().repeat_interleave(H // G, 1))
+        ends = torch.arange(r1 - r0, device="cuda") * HP["block_stride"] + HP["block_len"] - 1
+        visible = ends <= torch.arange(b - a, device="cuda")[:, None, None]
+        lse[0, a:b] = torch.logsumexp((s * Dk**-0.5).masked_fill(~visible, float("-inf")), -1)
+    return q, k_cmp, k, v, cu, lse
+
+
+def packed_documents(cu):
+    """((first token, end), (first compressed row, end)) of each non-empty document of cu."""
+    from nsa.ops import compressed_offsets
+
+    bounds, offsets = cu.tolist(), compressed_offsets(cu, GEOMETRY).tolist()
+    return [((a, b), (offsets[i], offsets[i + 1])) for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+
+
+def drawn_lengths(total, longest, seed):
+    """Document lengths drawn between 1 and `longest` tokens, totalling `total`."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(min(int(torch.randint(1, longest + 1, (1,), generator=g)), total - sum(lengths)))
+    return lengths
+
+
+def packed_selected(q, k, v, idx, cu, do):
+    """(o_sel, dQ, dK, dV) of the packed selected branch through dispatch (gates at 1, no other branch)."""
+    from nsa.ops.packing import packed_layout
+
+    layout = packed_layout(cu, GEOMETRY, q.shape[1], 0)
+    inverse = build_inverse_index(idx, q.shape[1], HP["sel_block"], layout)
+    scale = q.shape[-1] ** -0.5
+    zeros, gates = torch.zeros_like(q), torch.ones(*q.shape[:3], 3, device="cuda", dtype=q.dtype)
+    _, o_sel, lse = dispatch.selected_forward(q, k, v, idx, inverse, zeros, zeros, gates, scale, GEOMETRY, layout)
+    delta = (do.float() * o_sel.float()).sum(-1)
+    dk, dv, sel = dispatch.selected_backward(q, k, v, idx, inverse, do, lse, delta, scale, GEOMETRY, layout)
+    return o_sel, sel.dense(), dk, dv
+
+
+@pytest.fixture(params=["token", "blocks"])
+def packed_gathered_path(request, monkeypatch):
+    """The packed selected branch per query or block-centric (never tiled)."""
+    for field in ("tiled_max_blocks", "tiled_max_blocks_large_groups", "tiled_max_blocks_forward"):
+        monkeypatch.setattr(TUNING, field, 0)
+    monkeypatch.setattr(TUNING, "token_min_heads", 1 if request.param == "token" else 10**9)
+    return request.param
+
+
+def test_packed_selection_and_selected_branch_match_each_document_alone(packed_gathered_path):
+    # M7C with documents of 1 to 4k tokens totalling 16k: the selection against the float32 reference per document,
+    # then the selected branch on the kernel's own choice, output and every gradient.
+    from nsa.ops.packing import packed_layout
+    from nsa.ops.triton.selection import select_blocks_fwd
+
+    q, k_cmp, k, v, cu, lse = packed_stream(drawn_lengths(16384, 4096, seed=0), "m7c", seed=1)
+    scale = q.shape[-1] ** -0.5
+    idx = select_blocks_fwd(q, k_cmp, lse, scale, GEOMETRY, packed_layout(cu, GEOMETRY, q.shape[1], k_cmp.shape[1]))
+    do = torch.randn(q.shape[:3] + (v.shape[-1],), device="cuda", dtype=torch.bfloat16)
+    got = packed_selected(q, k, v, idx, cu, do)
+    differ = 0
+    for (a, b), (r0, r1) in packed_documents(cu):
+        f32 = [x[:, a:b].float().requires_grad_() for x in (q, k, v)]
+        scores = reference.selection_scores(f32[0], k_cmp[:, r0:r1].float(), block_len=32, block_stride=16,
+                                            sel_block=64, scale=scale)
+        want_idx = reference.top_n_blocks(scores, sel_block=64, n_sel=16)
+        assert_same_selection(idx[:, a:b], want_idx, scores, rtol=1e-3)
+        differ += (idx[:, a:b] != want_idx).any(-1).sum().item()
+        want = reference.selected_attention(*f32, idx[:, a:b], sel_block=64, scale=scale)
+        wants = (want, *torch.autograd.grad(want, f32, do[:, a:b].float()))
+        for out_name, x, w in zip(("o_sel", "dq", "dk", "dv"), got, wants):
+            assert torch.isfinite(x[:, a:b]).all(), out_name
+            assert rel_err(x[:, a:b], w) < 2e-2, (out_name, a, b, rel_err(x[:, a:b], w))
+    assert differ < 0.01 * idx[..., 0].numel(), "more than 1% of selections differ"
+
+
+def test_one_packed_document_is_the_unpacked_call(packed_gathered_path):
+    from nsa.ops.packing import packed_layout
+    from nsa.ops.triton.selection import select_blocks_fwd
+
+    q, k_cmp, k, v, cu, lse = packed_stream([4133], "m7c", seed=2)
+    T, scale = q.shape[1], q.shape[-1] ** -0.5
+    idx = select_blocks_fwd(q, k_cmp, lse, scale, GEOMETRY)
+    layout = packed_layout(cu, GEOMETRY, T, k_cmp.shape[1])
+    assert torch.equal(select_blocks_fwd(q, k_cmp, lse, scale, GEOMETRY, layout), idx)
+    do = torch.randn(q.shape[:3] + (v.shape[-1],), device="cuda", dtype=torch.bfloat16)
+    packed = packed_selected(q, k, v, idx, cu, do)
+    with pytest.MonkeyPatch.context() as mp:
+        for field in ("gluon_selected_forward", "gluon_selected_backward"):  # the unpacked call on Triton's kernels
+            mp.setattr(TUNING, field, False)
+        unpacked_inverse = build_inverse_index(idx, T, HP["sel_block"])
+        zeros, gates = torch.zeros_like(q), torch.ones(*q.shape[:3], 3, device="cuda", dtype=q.dtype)
+        _, o_sel, lse_sel = dispatch.selected_forward(q, k, v, idx, unpacked_inverse, zeros, zeros, gates, scale,
+                                                      GEOMETRY)
+        delta = (do.float() * o_sel.float()).sum(-1)
+        dk, dv, sel = dispatch.selected_backward(q, k, v, idx, unpacked_inverse, do, lse_sel, delta, scale,
+                                                 GEOMETRY)
+    torch.testing.assert_close(packed[0], o_sel, rtol=0, atol=0)
+    for out_name, x, w in zip(("dq", "dk", "dv"), packed[1:], (sel.dense(), dk, dv)):
+        torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{out_name}: {m}")

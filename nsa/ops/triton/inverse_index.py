@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..packing import PackedLayout
 from ..tuning import TUNING
 from .common import deterministic, lower_bound
 
@@ -23,16 +24,19 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _entry_keys_kernel(IDX, KEYS, sib, sit, sig, T, G, NS, NQ, query_range, n_keys, total, n: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _entry_keys_kernel(IDX, KEYS, SEL_START, sib, sit, sig, T, G, NS, NQ, query_range, n_keys, total, n: tl.constexpr,
+                       BLOCK: tl.constexpr, PACKED: tl.constexpr):
     """Sort key ((b * G + g) * NQ + t // query_range) * NS + j of every flat entry f = ((b * G + g) * T + t) * n +
-    slot; n_keys for unused slots."""
+    slot; n_keys for unused slots. Packed, j is the stream's block: the document-relative index plus the first
+    block of t's document (SEL_START[t])."""
     f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # total < 2**31: the entries are int32
     ok = f < total
     bgt = f // n
     t = bgt % T
     bg = bgt // T
     j = tl.load(IDX + (bg // G).to(tl.int64) * sib + t.to(tl.int64) * sit + bg % G * sig + f % n, mask=ok, other=-1)
+    if PACKED:
+        j = tl.where(j >= 0, j + tl.load(SEL_START + t, mask=ok, other=0), j)
     tl.store(KEYS + f, tl.where(j >= 0, (bg * NQ + t // query_range) * NS + j.to(tl.int32), n_keys), mask=ok)
 
 
@@ -94,7 +98,8 @@ def num_items(B: int, T: int, G: int, n: int, num_sel_blocks: int, chunk: int, q
     return B * G * T * n // chunk + B * G * -(-T // query_range) * num_sel_blocks
 
 
-def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int, query_range: int | None = None):
+def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int, query_range: int | None = None,
+                  sel_start: torch.Tensor | None = None):
     """Work items over the (query, slot) entries that chose each block.
 
     Returns (item_key, item_start, item_count, entries), int32: item i covers
@@ -105,6 +110,10 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int, query_
     programs that run together then read the queries of one range. The number of items is a
     bound known on the host (no sync); unused items have count 0 and key B * G * Ns. Without
     a split, item_key ascends and a block's items are consecutive.
+
+    Packed documents (B = 1): `sel_start` [T] (PackedLayout.sel_start) turns each query's document-relative
+    index j into the stream's block sel_start[t] + j, of `num_sel_blocks` = PackedLayout.num_blocks; a block's
+    queries are then those of its own document.
     """
     B, T, G, n = indices.shape
     query_range = T if query_range is None else query_range
@@ -115,8 +124,8 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int, query_
     dev = indices.device
     keys = torch.empty(total, device=dev, dtype=sort_key_dtype(n_keys))
     _entry_keys_kernel[(triton.cdiv(total, _BLOCK),)](
-        indices, keys, *indices.stride()[:3], T, G, num_sel_blocks, NQ, query_range, n_keys, total, n=n,
-        BLOCK=_BLOCK)
+        indices, keys, sel_start, *indices.stride()[:3], T, G, num_sel_blocks, NQ, query_range, n_keys, total, n=n,
+        BLOCK=_BLOCK, PACKED=sel_start is not None)
     sorted_keys, entries = torch.sort(keys, stable=True)  # stable: t ascending within a key
     # `counts` holds each key's end position until _key_items_kernel subtracts the start (absent keys: 0 - 0).
     starts, counts = torch.zeros(2, n_keys, device=dev, dtype=torch.int32)
@@ -145,13 +154,19 @@ def inverse_layout(seq_len: int, device: torch.device) -> tuple[int, int]:
     return chunk, max(least, -(-seq_len // max(1, TUNING.inverse_query_ranges)))
 
 
-def build_inverse_index(indices: torch.Tensor, seq_len: int, sel_block: int, chunk: int | None = None):
-    """inverse_index of the selection indices [B,T,G,n] in the block-centric kernels' layout (inverse_layout)."""
+def build_inverse_index(indices: torch.Tensor, seq_len: int, sel_block: int, layout: PackedLayout | None = None,
+                        chunk: int | None = None):
+    """inverse_index of the selection indices [B,T,G,n] in the block-centric kernels' layout (inverse_layout); with
+    `layout`, of a packed stream's document-relative indices [1,total,G,n], keyed by the stream's selection blocks."""
     default_chunk, query_range = inverse_layout(seq_len, indices.device)
-    return inverse_index(indices, -(-seq_len // sel_block), chunk or default_chunk, query_range)
+    if layout is None:
+        return inverse_index(indices, -(-seq_len // sel_block), chunk or default_chunk, query_range)
+    return inverse_index(indices, layout.num_blocks, chunk or default_chunk, query_range, layout.sel_start)
 
 
-def built_items(batch: int, seq_len: int, groups: int, n: int, sel_block: int, device: torch.device) -> int:
+def built_items(batch: int, seq_len: int, groups: int, n: int, sel_block: int, device: torch.device,
+                num_blocks: int | None = None) -> int:
     """Length of build_inverse_index's work-item arrays for these shapes, from metadata alone (torch.compile's fake
-    tensors need it)."""
-    return num_items(batch, seq_len, groups, n, -(-seq_len // sel_block), *inverse_layout(seq_len, device))
+    tensors need it); packed, `num_blocks` is the layout's (packing.selection_block_capacity)."""
+    blocks = -(-seq_len // sel_block) if num_blocks is None else num_blocks
+    return num_items(batch, seq_len, groups, n, blocks, *inverse_layout(seq_len, device))

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..packing import PackedLayout
 from ..tuning import TUNING
 from .common import (LOG2E, head_dims, load_grad_rows, load_tile, lower_bound, softmax_finish, softmax_step,
                      store_tile)
@@ -35,17 +36,25 @@ from .common import (LOG2E, head_dims, load_grad_rows, load_tile, lower_bound, s
 
 @triton.jit
 def _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg, T, G, NS, sel_block, dk, dv,
-                DK: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr):
-    """A work item's block: (first entry, b, g, b * G + g, key positions (int32), key ok, K tile, V tile)."""
+                BLOCK_START, BLOCK_END, DK: tl.constexpr, DV: tl.constexpr, BLOCK_L: tl.constexpr,
+                PACKED: tl.constexpr):
+    """A work item's block: (first entry, b, g, b * G + g, key positions (int32), key ok, K tile, V tile).
+
+    Packed, block j is the stream's j-th selection block, tokens [BLOCK_START[j], BLOCK_END[j])."""
     key = tl.load(ITEM_KEY + item)  # (b * G + g) * NS + j
     j = key % NS
     bg = key // NS
     b = (bg // G).to(tl.int64)
     g = bg % G
     lk = tl.arange(0, BLOCK_L)
-    pos = j * sel_block + lk
+    if PACKED:
+        pos = tl.load(BLOCK_START + j) + lk
+        k_ok = pos < tl.load(BLOCK_END + j)
+    else:
+        pos = j * sel_block + lk
     kidx = pos.to(tl.int64)
-    k_ok = (lk < sel_block) & (pos < T)
+    if not PACKED:
+        k_ok = (lk < sel_block) & (pos < T)
     k = load_tile(K, b * skb + g * skg + kidx * skt, dk, k_ok, DK)
     v = load_tile(V, b * svb + g * svg + kidx * svt, dv, k_ok, DV)
     return tl.load(ITEM_START + item), b, g, bg, pos, k_ok, k, v
@@ -78,16 +87,18 @@ def _item_grad_rows(Q, DO, LSE, DELTA, b, g, h, t, hh, row_ok, sqb, sqt, sqh, sd
 
 
 @triton.jit
-def _masked_steps(ENTRIES, start, count, bg, T, j, sel_block, n: tl.constexpr, h: tl.constexpr,
+def _masked_steps(ENTRIES, start, count, bg, T, first, sel_block, n: tl.constexpr, h: tl.constexpr,
                   BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr):
-    """The first row of an item's unmasked steps. Steps before it hold queries inside the item's block, which see
-    only part of it (the causal mask); later rows see all of it. Entries are sorted by query, so those queries
-    come first, and a block holds fewer than BLOCK_L of them. FULL: BLOCK_L == sel_block (else every step is
-    masked: the tile's extra keys belong to the next block)."""
+    """The first row of an item's unmasked steps, for the block whose first token is `first`. Steps before it
+    hold queries inside the item's block, which see only part of it (the causal mask); later rows see all of it.
+    Entries are sorted by query, so those queries come first, and a block holds fewer than BLOCK_L of them. FULL:
+    BLOCK_L == sel_block (else every step is masked: the tile's extra keys belong to the next block). A packed
+    document's last block may hold fewer than l' tokens: its queries all lie before first + l' - 1, so they are
+    all masked, and the tile's keys past the block (the next document's) stay out."""
     if FULL:
         e = tl.arange(0, BLOCK_L)
         t = tl.load(ENTRIES + start + e, mask=e < count, other=0) // n - bg * T
-        inside = tl.sum(((e < count) & (t < j * sel_block + sel_block - 1)).to(tl.int32))
+        inside = tl.sum(((e < count) & (t < first + sel_block - 1)).to(tl.int32))
         return tl.minimum(tl.cdiv(inside * h, BLOCK_R) * BLOCK_R, count * h)
     else:
         return count * h
@@ -118,12 +129,21 @@ def _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, first, last, b, 
 
 
 @triton.jit
+def _block_first(ITEM_KEY, item, NS, sel_block, BLOCK_START, PACKED: tl.constexpr):
+    """The first token of an item's block."""
+    if PACKED:
+        return tl.load(BLOCK_START + tl.load(ITEM_KEY + item) % NS)
+    else:
+        return (tl.load(ITEM_KEY + item) % NS) * sel_block
+
+
+@triton.jit
 def _sel_fwd_partial_kernel(
-    Q, K, V, OPART, LSEPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
+    Q, K, V, OPART, LSEPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES, BLOCK_START, BLOCK_END,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg,
     T, G, NS, n: tl.constexpr, h: tl.constexpr, scale_log2, sel_block,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr, PACKED: tl.constexpr,
 ):
     item = tl.program_id(0)
     count = tl.load(ITEM_COUNT + item)
@@ -131,9 +151,11 @@ def _sel_fwd_partial_kernel(
         dk = tl.arange(0, BLOCK_DK)
         dv = tl.arange(0, BLOCK_DV)
         start, b, g, bg, pos, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
-                                                    T, G, NS, sel_block, dk, dv, DK, DV, BLOCK_L)
-        split = _masked_steps(ENTRIES, start, count, bg, T, tl.load(ITEM_KEY + item) % NS, sel_block, n, h,
-                              BLOCK_L, BLOCK_R, FULL)
+                                                    T, G, NS, sel_block, dk, dv, BLOCK_START, BLOCK_END, DK, DV,
+                                                    BLOCK_L, PACKED)
+        split = _masked_steps(ENTRIES, start, count, bg, T, _block_first(ITEM_KEY, item, NS, sel_block, BLOCK_START,
+                                                                         PACKED),
+                              sel_block, n, h, BLOCK_L, BLOCK_R, FULL)
         _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, 0, split, b, g, bg, T, k, v, pos, k_ok,
                           sqb, sqt, sqh, scale_log2, dk, dv, n, h, DK, DV, BLOCK_R, True)
         _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, split, count * h, b, g, bg, T, k, v, pos, k_ok,
@@ -150,22 +172,37 @@ def _token_rows(pid_bg, G, h, HP: tl.constexpr):
 
 
 @triton.jit
-def _token_block(IDX, idx_off, slot, K, V, kbase, vbase, skt, svt, t, sel_block, lk, dk, dv,
-                 DK: tl.constexpr, DV: tl.constexpr):
-    """Keys/values of query t's slot-th selected block, masked to positions <= t (all masked for -1)."""
+def _token_block(IDX, idx_off, slot, K, V, kbase, vbase, skt, svt, t, sel_block, lk, dk, dv, BLOCK_START, BLOCK_END,
+                 first_block, DK: tl.constexpr, DV: tl.constexpr, PACKED: tl.constexpr):
+    """Keys/values of query t's slot-th selected block, masked to positions <= t (all masked for -1). Packed, the
+    document-relative block j is the stream's block first_block + j, tokens [BLOCK_START[.], BLOCK_END[.])."""
     j = tl.load(IDX + idx_off + slot)
-    kidx = j * sel_block + lk
-    k_ok = (j >= 0) & (lk < sel_block) & (kidx <= t)
+    if PACKED:
+        block = first_block + j
+        kidx = (tl.load(BLOCK_START + block, mask=j >= 0, other=0) + lk).to(tl.int64)
+        k_ok = (kidx < tl.load(BLOCK_END + block, mask=j >= 0, other=0)) & (kidx <= t)
+    else:
+        kidx = j * sel_block + lk
+        k_ok = (j >= 0) & (lk < sel_block) & (kidx <= t)
     return k_ok, load_tile(K, kbase + kidx * skt, dk, k_ok, DK), load_tile(V, vbase + kidx * svt, dv, k_ok, DV)
 
 
 @triton.jit
+def _first_block(SEL_START, t, PACKED: tl.constexpr):
+    """Packed: the stream's index of query t's document's first selection block (unused otherwise)."""
+    if PACKED:
+        return tl.load(SEL_START + t)
+    else:
+        return 0
+
+
+@triton.jit
 def _sel_token_fwd_kernel(
-    Q, K, V, IDX, O, LSE,
+    Q, K, V, IDX, O, LSE, SEL_START, BLOCK_START, BLOCK_END,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sib, sit, sig, sob, sot, soh, slb, slt,
     T, G, h, scale_log2, sel_block, n_sel,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HP: tl.constexpr, BLOCK_L: tl.constexpr,
+    HP: tl.constexpr, BLOCK_L: tl.constexpr, PACKED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     b, g, row_ok, head = _token_rows(tl.program_id(1), G, h, HP)
@@ -173,12 +210,14 @@ def _sel_token_fwd_kernel(
     dv = tl.arange(0, BLOCK_DV)
     lk = tl.arange(0, BLOCK_L)
     q = load_tile(Q, b * sqb + t * sqt + head * sqh, dk, row_ok, DK)
+    first_block = _first_block(SEL_START, t, PACKED)
     m_i = tl.full([HP], float("-inf"), tl.float32)
     l_i = tl.zeros([HP], tl.float32)
     acc = tl.zeros([HP, BLOCK_DV], tl.float32)
     for slot in range(n_sel):
         k_ok, k, v = _token_block(IDX, b * sib + t * sit + g * sig, slot, K, V, b * skb + g * skg, b * svb + g * svg,
-                                  skt, svt, t, sel_block, lk, dk, dv, DK, DV)
+                                  skt, svt, t, sel_block, lk, dk, dv, BLOCK_START, BLOCK_END, first_block, DK, DV,
+                                  PACKED)
         s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
         m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, scale_log2, row_ok, False)
     out, lse = softmax_finish(m_i, l_i, acc)  # the current block is always selected: l_i > 0
@@ -188,12 +227,12 @@ def _sel_token_fwd_kernel(
 
 @triton.jit
 def _sel_token_dq_kernel(
-    Q, K, V, IDX, DO, LSE, DELTA, DQ,
+    Q, K, V, IDX, DO, LSE, DELTA, DQ, SEL_START, BLOCK_START, BLOCK_END,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sib, sit, sig, sdob, sdot, sdoh, slb, slt,
     sdqb, sdqt, sdqh,
     T, G, h, scale_log2, scale, sel_block, n_sel,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, HP: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HP: tl.constexpr, BLOCK_L: tl.constexpr, PACKED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     b, g, row_ok, head = _token_rows(tl.program_id(1), G, h, HP)
@@ -204,9 +243,11 @@ def _sel_token_dq_kernel(
     do, lse2, delta = load_grad_rows(DO, LSE, DELTA, b * sdob + t * sdot + head * sdoh, b * slb + t * slt + head,
                                      dv, row_ok, DV)
     dq = tl.zeros([HP, BLOCK_DK], tl.float32)
+    first_block = _first_block(SEL_START, t, PACKED)
     for slot in range(n_sel):
         k_ok, k, v = _token_block(IDX, b * sib + t * sit + g * sig, slot, K, V, b * skb + g * skg, b * svb + g * svg,
-                                  skt, svt, t, sel_block, lk, dk, dv, DK, DV)
+                                  skt, svt, t, sel_block, lk, dk, dv, BLOCK_START, BLOCK_END, first_block, DK, DV,
+                                  PACKED)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         p = tl.where(k_ok[None, :] & row_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
@@ -302,12 +343,13 @@ def _bwd_rows(Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, first, last, b, 
 
 @triton.jit
 def _sel_bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, DKo, DVo, DQPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
+    Q, K, V, DO, LSE, DELTA, DKo, DVo, DQPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES, BLOCK_START, BLOCK_END,
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sdob, sdot, sdoh, slb, slt,
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
     T, G, NS, n: tl.constexpr, h: tl.constexpr, scale_log2, scale, sel_block,
     WRITE_DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr, PARTIALS: tl.constexpr = False,
+    PACKED: tl.constexpr = False,
 ):
     item = tl.program_id(0)
     count = tl.load(ITEM_COUNT + item)
@@ -315,9 +357,11 @@ def _sel_bwd_kernel(
         dk = tl.arange(0, BLOCK_DK)
         dv = tl.arange(0, BLOCK_DV)
         start, b, g, bg, pos, k_ok, k, v = _item_block(ITEM_KEY, ITEM_START, item, K, V, skb, skt, skg, svb, svt, svg,
-                                                    T, G, NS, sel_block, dk, dv, DK, DV, BLOCK_L)
-        split = _masked_steps(ENTRIES, start, count, bg, T, tl.load(ITEM_KEY + item) % NS, sel_block, n, h,
-                              BLOCK_L, BLOCK_R, FULL)
+                                                    T, G, NS, sel_block, dk, dv, BLOCK_START, BLOCK_END, DK, DV,
+                                                    BLOCK_L, PACKED)
+        split = _masked_steps(ENTRIES, start, count, bg, T, _block_first(ITEM_KEY, item, NS, sel_block, BLOCK_START,
+                                                                         PACKED),
+                              sel_block, n, h, BLOCK_L, BLOCK_R, FULL)
         dk_acc = tl.zeros([BLOCK_L, BLOCK_DK], tl.float32)
         dv_acc = tl.zeros([BLOCK_L, BLOCK_DV], tl.float32)
         ok1, f1, t1, hh1 = _item_rows(ENTRIES, start, 0, count, bg, T, n, h, BLOCK_R)
@@ -348,9 +392,9 @@ def _sel_bwd_kernel(
 
 
 @triton.jit
-def _sum_item_partials_kernel(PART, ITEM_KEY, OUT, so_b, so_t, so_g, n_items, T, G, NS, sel_block,
-                              D: tl.constexpr, BLOCK_L: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                              STEPS: tl.constexpr):
+def _sum_item_partials_kernel(PART, ITEM_KEY, OUT, BLOCK_START, BLOCK_END, so_b, so_t, so_g, n_items, T, G, NS,
+                              sel_block, D: tl.constexpr, BLOCK_L: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_D: tl.constexpr, STEPS: tl.constexpr, PACKED: tl.constexpr):
     """Deterministic mode: block key's dK (or dV) rows [r0, r0 + ROWS) as the sum, in item order, of its work
     items' partials PART [n_items, BLOCK_L, D] (float32); a block nobody chose gets 0. A key's items are
     consecutive in the inverse index, and its item_key ascends (unused items hold the largest key)."""
@@ -370,8 +414,12 @@ def _sum_item_partials_kernel(PART, ITEM_KEY, OUT, so_b, so_t, so_g, n_items, T,
         ptr += BLOCK_L * D
     j = key % NS
     bg = key // NS
-    pos = j * sel_block + r
-    row_ok = (r < sel_block) & (pos < T)
+    if PACKED:
+        pos = tl.load(BLOCK_START + j) + r
+        row_ok = pos < tl.load(BLOCK_END + j)
+    else:
+        pos = j * sel_block + r
+        row_ok = (r < sel_block) & (pos < T)
     store_tile(OUT + (bg // G).to(tl.int64) * so_b + (bg % G) * so_g, pos.to(tl.int64) * so_t, d, row_ok, acc, D)
 
 
@@ -380,6 +428,18 @@ def _sum_item_partials_kernel(PART, ITEM_KEY, OUT, so_b, so_t, so_g, n_items, T,
 
 def _strides(*tensors) -> tuple:
     return tuple(s for t in tensors for s in t.stride()[:3])
+
+
+def _block_tables(layout: PackedLayout | None) -> tuple:
+    """The stream's selection blocks (BLOCK_START, BLOCK_END) for the kernels: None unpacked (constexpr, so that
+    unpacked launches compile as if the tables did not exist)."""
+    return (None, None) if layout is None else (layout.block_start, layout.block_end)
+
+
+def num_block_keys(T: int, sel_block: int, layout: PackedLayout | None = None) -> int:
+    """NS, the selection blocks a sequence's block keys (b * G + g) * NS + j count: ceil(T / l'), or packed the
+    stream's block capacity."""
+    return -(-T // sel_block) if layout is None else layout.num_blocks
 
 
 def _item_launch(q: torch.Tensor, dv: int) -> dict:
@@ -408,27 +468,33 @@ def _row_launch(q: torch.Tensor) -> dict:
     return dict(BLOCK_M=TUNING.row_block_m, num_warps=TUNING.row_warps)
 
 
-def token_forward(q, k, v, indices, o_sel, lse_sel, scale: float, sel_block: int) -> None:
-    """The per-query forward: o_sel [B,T,H,Dv] and lse_sel [B,T,H] (float32) of every query over its chosen blocks."""
+def token_forward(q, k, v, indices, o_sel, lse_sel, scale: float, sel_block: int,
+                  layout: PackedLayout | None = None) -> None:
+    """The per-query forward: o_sel [B,T,H,Dv] and lse_sel [B,T,H] (float32) of every query over its chosen blocks
+    (with `layout`, a packed stream's document-relative ones)."""
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
+    sel_start = None if layout is None else layout.sel_start
     _sel_token_fwd_kernel[(T, B * G)](
-        q, k, v, indices, o_sel, lse_sel, *_strides(q, k, v, indices, o_sel), *lse_sel.stride()[:2],
-        T, G, h, scale * LOG2E, sel_block, n, **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
+        q, k, v, indices, o_sel, lse_sel, sel_start, *_block_tables(layout), *_strides(q, k, v, indices, o_sel),
+        *lse_sel.stride()[:2], T, G, h, scale * LOG2E, sel_block, n, **head_dims(Dk, Dv),
+        **_token_launch(q, h, sel_block), PACKED=layout is not None,
     )
 
 
-def block_partials(q, k, v, inverse, opart, lsepart, scale: float, sel_block: int, n: int) -> None:
+def block_partials(q, k, v, inverse, opart, lsepart, scale: float, sel_block: int, n: int,
+                   layout: PackedLayout | None = None) -> None:
     """The block-centric forward: every (query, slot, head)'s partial output and log-sum-exp (log2 units) over its
-    block, into opart [B*G*T*n, h, Dv] and lsepart [B*G*T*n, h]; `inverse` from inverse_index.build_inverse_index."""
+    block, into opart [B*G*T*n, h, Dv] and lsepart [B*G*T*n, h]; `inverse` from inverse_index.build_inverse_index
+    (with the same `layout`)."""
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     item_key, item_start, item_count, entries = inverse
     _sel_fwd_partial_kernel[(item_key.numel(),)](
-        q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_strides(q, k, v),
-        T, G, -(-T // sel_block), n, H // G, scale * LOG2E, sel_block,
-        **head_dims(Dk, Dv), **block_tile(sel_block), **_item_launch(q, Dv),
+        q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_block_tables(layout),
+        *_strides(q, k, v), T, G, num_block_keys(T, sel_block, layout), n, H // G, scale * LOG2E, sel_block,
+        **head_dims(Dk, Dv), **block_tile(sel_block), **_item_launch(q, Dv), PACKED=layout is not None,
     )
 
 
@@ -448,7 +514,7 @@ def finalize(opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel, me
 
 
 def block_backward(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, scale: float, sel_block: int, n: int,
-                   write_dq: bool, partials: bool) -> None:
+                   write_dq: bool, partials: bool, layout: PackedLayout | None = None) -> None:
     """The block-centric backward: adds each block's dK/dV into dk_acc/dv_acc (float32 [B,T,G,D], zeroed), or with
     `partials` writes each item's to its slot of dk_acc/dv_acc [items, BLOCK_L, D] (sum_item_partials adds them);
     with write_dq, each row's dQ share into dqpart [B*G*T*n, h, Dk] (q's type).
@@ -461,33 +527,36 @@ def block_backward(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, sca
     out_strides = (0,) * 6 if partials else _strides(dk_acc, dv_acc)
     _sel_bwd_kernel[(item_key.numel(),)](
         q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, item_key, item_start, item_count, entries,
-        *_strides(q, k, v, do), *lse.stride()[:2], *out_strides,
-        T, G, -(-T // sel_block), n, H // G, scale * LOG2E, scale, sel_block, WRITE_DQ=write_dq,
+        *_block_tables(layout), *_strides(q, k, v, do), *lse.stride()[:2], *out_strides,
+        T, G, num_block_keys(T, sel_block, layout), n, H // G, scale * LOG2E, scale, sel_block, WRITE_DQ=write_dq,
         **head_dims(Dk, Dv), **block_tile(sel_block), **_item_launch(q, Dv), PARTIALS=partials,
+        PACKED=layout is not None,
     )
 
 
 def sum_item_partials(part: torch.Tensor, item_key: torch.Tensor, out: torch.Tensor, T: int, G: int,
-                      sel_block: int) -> None:
+                      sel_block: int, layout: PackedLayout | None = None) -> None:
     """out [B, T, G, D] (float32) <- per block, its items' partials part [n_items, BLOCK_L, D], in item order."""
     B, D = out.shape[0], out.shape[-1]
     block_l = block_tile(sel_block)["BLOCK_L"]
-    NS = -(-T // sel_block)
+    NS = num_block_keys(T, sel_block, layout)
     rows = min(block_l, 16) if out.is_cuda else block_l
     n_items = item_key.numel()
     _sum_item_partials_kernel[(B * G * NS, -(-block_l // rows))](
-        part, item_key, out, out.stride(0), out.stride(1), out.stride(2), n_items, T, G, NS, sel_block,
-        D=D, BLOCK_L=block_l, ROWS=rows, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        STEPS=max(1, n_items.bit_length()), num_warps=4 if out.is_cuda else 1)
+        part, item_key, out, *_block_tables(layout), out.stride(0), out.stride(1), out.stride(2), n_items, T, G, NS,
+        sel_block, D=D, BLOCK_L=block_l, ROWS=rows, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        STEPS=max(1, n_items.bit_length()), PACKED=layout is not None, num_warps=4 if out.is_cuda else 1)
 
 
-def token_dq(q, k, v, indices, do, lse, delta, dq, scale: float, sel_block: int) -> None:
+def token_dq(q, k, v, indices, do, lse, delta, dq, scale: float, sel_block: int,
+             layout: PackedLayout | None = None) -> None:
     """The per-query dQ of the selected branch into dq (float32 [B,T,H,Dk], scaled)."""
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
+    sel_start = None if layout is None else layout.sel_start
     _sel_token_dq_kernel[(T, B * G)](
-        q, k, v, indices, do, lse, delta, dq, *_strides(q, k, v, indices, do), *lse.stride()[:2],
-        *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
-        **head_dims(Dk, Dv), **_token_launch(q, h, sel_block),
+        q, k, v, indices, do, lse, delta, dq, sel_start, *_block_tables(layout), *_strides(q, k, v, indices, do),
+        *lse.stride()[:2], *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
+        **head_dims(Dk, Dv), **_token_launch(q, h, sel_block), PACKED=layout is not None,
     )

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..geometry import NSAGeometry
+from ..packing import PackedLayout
 from ..tuning import TUNING
 from .common import LOG2E, merge_top, overlap
 
@@ -122,39 +123,23 @@ def _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K: tl.const
 
 
 @triton.jit
-def _select_kernel(
-    Q, KC, LSE, IDX,
-    sqb, sqt, sqh, skb, skt, skg, slb, slt, sib, sit, sig,
-    T, NC, G, h, scale_log2, block_len, block_stride, sel_block, n_sel, chunk_tokens,
-    DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_T: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
-    K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr,
-):
-    pid_t = tl.program_id(0)
-    pid_bg = tl.program_id(1)
-    b = (pid_bg // G).to(tl.int64)
-    g = pid_bg % G
-    dk = tl.arange(0, BLOCK_DK)
-    # Rows: BLOCK_T tokens x HA heads (powers of two, so heads sum by a reshape), then x HB more heads where h is
-    # not a power of two: at M7C's h = 6, 4 + 2 rows per token instead of 8 with 2 padded.
-    qa, rta, lse2a = _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, 0, HA, DK, BLOCK_T)
-    qb, rtb, lse2b = qa, rta, lse2a
-    if HB > 0:
-        qb, rtb, lse2b = _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, HA, HB, DK, BLOCK_T)
-
-    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    j_t = tok // sel_block
-    t_first = pid_t * BLOCK_T
-    t_last = tl.minimum(T - 1, t_first + BLOCK_T - 1)
+def _chunk_plan(t_first, t_last, block_len, block_stride, sel_block, n_sel, chunk_tokens, K: tl.constexpr):
+    """For rows of (document-relative) tokens t_first .. t_last: (whether every one chooses all its candidates,
+    the chunks to walk, how many of them every row sees whole)."""
     # A tile whose tokens all have at most n candidate blocks chooses all of them: nothing to score.
     all_fit = t_last // sel_block < n_sel
     n_chunks = tl.where(all_fit, 0, (t_last // sel_block) // K + 1)
-    # Chunks whose compressed tokens the tile's first token (so every row) sees whole need no visibility mask.
+    # Chunks whose compressed tokens the first token (so every row) sees whole need no visibility mask.
     seen = tl.where(t_first >= block_len - 1, (t_first - block_len + 1) // block_stride + 1, 0)
     n_whole = tl.minimum(seen // chunk_tokens, n_chunks)
+    return all_fit, n_chunks, n_whole
 
-    jj = tl.arange(0, K)
-    ci_local = tl.arange(0, C)
-    # Overlap weights are the same for every chunk (a chunk starts at a multiple of l'), so they are built once.
+
+@triton.jit
+def _overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K: tl.constexpr,
+                     R: tl.constexpr):
+    """(w_cur, w_nxt, shift): the Eq. 9 weights of a chunk's compressed tokens into its blocks and the next chunk's
+    first, the same for every chunk (a chunk starts at a multiple of l')."""
     if R > 0:
         # R compressed tokens start in each selection block and none reaches past the next one (l <= l'):
         # a token's weight depends only on its rank r in its block, into that block and into the next.
@@ -169,9 +154,18 @@ def _select_kernel(
         w_cur = tl.where(in_chunk, overlap(starts, jj[None, :], block_len, sel_block, block_stride), 0.0)
         w_nxt = tl.where(in_chunk, overlap(starts, (K + jj)[None, :], block_len, sel_block, block_stride), 0.0)
         shift = w_cur
+    return w_cur, w_nxt, shift
+
+
+@triton.jit
+def _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2, block_len,
+            block_stride, j_t, jj, w_cur, w_nxt, shift, n_whole, n_chunks, DK: tl.constexpr, BLOCK_T: tl.constexpr,
+            HA: tl.constexpr, HB: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+            TRANS: tl.constexpr, EXACT: tl.constexpr):
+    """The running top-K keys [BLOCK_T, K] (descending) of the rows' candidate blocks, over the compressed tokens
+    kbase[0 .. NC) (one sequence's, or one document's) and the rows' (document-relative) tokens rta/rtb."""
     best = tl.full([BLOCK_T, K], -1, tl.int64)
     carry = tl.zeros([BLOCK_T, K], tl.float32)
-    kbase = KC + b * skb + g * skg
     for c in range(0, n_whole):
         p_tok = _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
                          block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, False)
@@ -180,15 +174,90 @@ def _select_kernel(
         p_tok = _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
                          block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, True)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
+    return best
 
+
+@triton.jit
+def _store_choice(IDX, b, sib, tok, sit, g, sig, best, jj, j_t, all_fit, n_sel, first, end, PACKED: tl.constexpr):
+    """Stores the rows' n_sel chosen blocks (ascending, -1 padded) for the tokens tok in [first, end) (unpacked:
+    tok < end, every row's token is >= first)."""
     # `best` is sorted by key, descending: keep the first n_sel, then order them by block index.
     chosen = tl.where((best >= 0) & (jj[None, :] < n_sel), 4294967295 - (best & 4294967295), -1)
     BIG: tl.constexpr = 2147483647
     chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG))  # ascending; padding sorts last
     chosen = tl.where(chosen == BIG, -1, chosen)
     chosen = tl.where(all_fit, tl.where(jj[None, :] <= j_t[:, None], jj[None, :], -1), chosen)
+    if PACKED:
+        store_ok = (tok[:, None] >= first) & (tok[:, None] < end)
+    else:
+        store_ok = tok[:, None] < end
     tl.store(IDX + b * sib + tok.to(tl.int64)[:, None] * sit + g * sig + jj[None, :], chosen,
-             mask=(tok[:, None] < T) & (jj[None, :] < n_sel))
+             mask=store_ok & (jj[None, :] < n_sel))
+
+
+@triton.jit
+def _select_kernel(
+    Q, KC, LSE, IDX, DOC_START, DOC_END, CMP_START,
+    sqb, sqt, sqh, skb, skt, skg, slb, slt, sib, sit, sig,
+    T, NC, G, h, scale_log2, block_len, block_stride, sel_block, n_sel, chunk_tokens,
+    DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_T: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
+    K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr,
+    PACKED: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = pid_bg % G
+    dk = tl.arange(0, BLOCK_DK)
+    # Rows: BLOCK_T tokens x HA heads (powers of two, so heads sum by a reshape), then x HB more heads where h is
+    # not a power of two: at M7C's h = 6, 4 + 2 rows per token instead of 8 with 2 padded.
+    qa, rta, lse2a = _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, 0, HA, DK, BLOCK_T)
+    qb, rtb, lse2b = qa, rta, lse2a
+    if HB > 0:
+        qb, rtb, lse2b = _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, HA, HB, DK, BLOCK_T)
+
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    if PACKED:
+        jj = tl.arange(0, K)
+        ci_local = tl.arange(0, C)
+        # The tile's tokens may belong to several documents: each document's rows are ranked on their own, against
+        # that document's compressed tokens and in its own positions, the other rows' p held at 0 (lse +inf).
+        tile_end = tl.minimum(T, pid_t * BLOCK_T + BLOCK_T)
+        starts = tl.load(DOC_START + tok, mask=tok < tile_end, other=0)
+        n_docs = 1 + tl.sum(((tok > pid_t * BLOCK_T) & (tok < tile_end) & (starts == tok)).to(tl.int32))
+        w_cur, w_nxt, shift = _overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K, R)
+        first = pid_t * BLOCK_T
+        for _ in range(n_docs):
+            doc = tl.load(DOC_START + first)
+            doc_end = tl.load(DOC_END + first)
+            last = tl.minimum(doc_end, tile_end) - 1
+            length = doc_end - doc
+            nc = tl.where(length >= block_len, (length - block_len) // block_stride + 1, 0)
+            kbase = KC + b * skb + g * skg + tl.load(CMP_START + first).to(tl.int64) * skt
+            j_t = (tok - doc) // sel_block
+            all_fit, n_chunks, n_whole = _chunk_plan(first - doc, last - doc, block_len, block_stride, sel_block,
+                                                     n_sel, chunk_tokens, K)
+            best = _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta - doc, rtb - doc,
+                           tl.where((rta >= first) & (rta <= last), lse2a, float("inf")),
+                           tl.where((rtb >= first) & (rtb <= last), lse2b, float("inf")), nc, scale_log2, block_len,
+                           block_stride, j_t, jj, w_cur, w_nxt, shift, n_whole, n_chunks, DK, BLOCK_T, HA, HB, K, C,
+                           R, TRANS, EXACT)
+            _store_choice(IDX, b, sib, tok, sit, g, sig, best, jj, j_t, all_fit, n_sel, first, last + 1, PACKED)
+            first = last + 1
+    else:
+        j_t = tok // sel_block
+        t_first = pid_t * BLOCK_T
+        t_last = tl.minimum(T - 1, t_first + BLOCK_T - 1)
+        all_fit, n_chunks, n_whole = _chunk_plan(t_first, t_last, block_len, block_stride, sel_block, n_sel,
+                                                 chunk_tokens, K)
+        jj = tl.arange(0, K)
+        ci_local = tl.arange(0, C)
+        w_cur, w_nxt, shift = _overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K, R)
+        kbase = KC + b * skb + g * skg
+        best = _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
+                       block_len, block_stride, j_t, jj, w_cur, w_nxt, shift, n_whole, n_chunks, DK, BLOCK_T, HA, HB,
+                       K, C, R, TRANS, EXACT)
+        _store_choice(IDX, b, sib, tok, sit, g, sig, best, jj, j_t, all_fit, n_sel, 0, T, PACKED)
 
 
 def stencil_rank(block_len: int, block_stride: int, sel_block: int) -> int:
@@ -200,8 +269,11 @@ def stencil_rank(block_len: int, block_stride: int, sel_block: int) -> int:
 
 
 def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, scale: float,
-                      geometry: NSAGeometry) -> torch.Tensor:
-    """Indices [B,T,G,n_sel] (int64, ascending, -1 padded) from q, k_cmp and the compressed branch's lse."""
+                      geometry: NSAGeometry, layout: PackedLayout | None = None) -> torch.Tensor:
+    """Indices [B,T,G,n_sel] (int64, ascending, -1 padded) from q, k_cmp and the compressed branch's lse.
+
+    With `layout`, q is a packed stream [1, total, H, Dk] and k_cmp holds its documents' compressed tokens back to
+    back: each document is ranked alone, and its indices are relative to its own first block."""
     B, T, H, Dk = q.shape
     NC, G = k_cmp.shape[1], k_cmp.shape[2]
     block_len, block_stride, sel_block, n_sel, _ = geometry.as_tuple()
@@ -223,13 +295,14 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
     # sums over a block's ranks would cross lanes).
     R = stencil_rank(block_len, block_stride, sel_block)
     C = max(16, triton.next_power_of_2(chunk_tokens))
+    packed_tables = (None,) * 3 if layout is None else (layout.doc_start, layout.doc_end, layout.cmp_start)
     _select_kernel[grid](
-        q, k_cmp, lse_cmp, idx,
+        q, k_cmp, lse_cmp, idx, *packed_tables,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         lse_cmp.stride(0), lse_cmp.stride(1), idx.stride(0), idx.stride(1), idx.stride(2),
         T, NC, G, h, scale * LOG2E, block_len, block_stride, sel_block, n_sel, chunk_tokens,
         DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
-        HA=ha, HB=hb, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens,
+        HA=ha, HB=hb, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens, PACKED=layout is not None,
         num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
         num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
     )
