@@ -10,11 +10,11 @@ lie wholly inside it (the kernels skip masking those).
 import pytest
 import torch
 
+from helpers import packed_branch_kernels, packed_branch_reference
 from nsa.ops import NSAGeometry, compressed_offsets, custom_ops, nsa_attention, reference, tuning
-from nsa.ops.branches import MODE_CMP, MODE_SEL, MODE_WIN, SEL_NONE, SEL_TILED, SelectedDQ
-from nsa.ops.dispatch import query_grad, span_dkdv, span_forward
+from nsa.ops.branches import MODE_CMP, MODE_SEL, MODE_WIN
+from nsa.ops.dispatch import span_forward
 from nsa.ops.packing import packed_layout
-from nsa.ops.triton.span_attention import chosen_bits
 
 LENGTHS = [1, 3, 0, 13, 40, 5, 0]
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -47,45 +47,6 @@ def document_choices(lengths, G, geometry, seed):
     return torch.stack(rows).view(1, sum(lengths), G, geometry.n_sel)
 
 
-def reference_branch(mode, geometry, q, k, v, indices):
-    if mode == MODE_CMP:
-        return reference.compressed_attention(q, k, v, block_len=geometry.block_len,
-                                              block_stride=geometry.block_stride, scale=SCALE)
-    if mode == MODE_WIN:
-        return reference.window_attention(q, k, v, window=geometry.window, scale=SCALE)
-    return reference.selected_attention(q, k, v, indices, sel_block=geometry.sel_block, scale=SCALE)
-
-
-def per_document(mode, geometry, q, k, v, indices, do, cu, offsets):
-    """The branch's output and (dq, dk, dv) with each document run alone; rows of k that no document holds get
-    zero."""
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    bounds = cu.tolist()
-    outs = []
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        if b == a:
-            continue
-        ka, kb = (offsets[i], offsets[i + 1]) if mode == MODE_CMP else (a, b)
-        outs.append(reference_branch(mode, geometry, q[:, a:b], k[:, ka:kb], v[:, ka:kb],
-                                     indices[:, a:b] if indices is not None else None))
-    out = torch.cat(outs, dim=1)
-    return out.detach(), torch.autograd.grad((out * do).sum(), (q, k, v))
-
-
-def kernel_branch(mode, geometry, q, k, v, indices, do, layout):
-    """The branch's output and (dq, dk, dv) from the packed stages: span_forward, span_dkdv and query_grad."""
-    bits = chosen_bits(indices, 64) if mode == MODE_SEL else None
-    o, lse = span_forward(q, k, v, mode, SCALE, geometry, bits, layout=layout)
-    delta = (do * o).sum(-1)
-    dk, dv = span_dkdv(q, k, v, do, lse, delta, mode, SCALE, geometry, bits, layout)
-    slot = {MODE_CMP: 0, MODE_SEL: 1, MODE_WIN: 2}[mode]
-    lse_g, delta_g = (torch.stack([x if i == slot else torch.zeros_like(x) for i in range(3)]) for x in (lse, delta))
-    sel = SelectedDQ(SEL_TILED, k=k, v=v, choice=bits) if mode == MODE_SEL else SelectedDQ(SEL_NONE)
-    dq = query_grad(q, do, lse_g, delta_g, SCALE, geometry, (k, v) if mode == MODE_CMP else None,
-                    (k, v) if mode == MODE_WIN else None, sel, layout)
-    return o, (dq, dk, dv)
-
-
 # (H, G, geometry): group sizes 1, 6 and 16; a window that holds whole key steps and one that never does; d = 1,
 # whose compressed rows hold whole key steps of the long document.
 CASES = [
@@ -107,8 +68,8 @@ def test_packed_span_stages_equal_each_document_alone(mode, H, G, geometry):
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
     layout = packed_layout(cu, geometry, q.shape[1], k_cmp.shape[1])
 
-    out, grads = kernel_branch(mode, geometry, q, k, v, indices, do, layout)
-    want, want_grads = per_document(mode, geometry, q, k, v, indices, do, cu, offsets)
+    out, grads = packed_branch_kernels(mode, geometry, SCALE, q, k, v, indices, do, layout)
+    want, want_grads = packed_branch_reference(mode, geometry, SCALE, q, k, v, indices, do, cu)
     torch.testing.assert_close(out, want, **TOL)
     for name, got, exp in zip(("dq", "dk", "dv"), grads, want_grads):
         torch.testing.assert_close(got, exp, **TOL, msg=lambda m: f"{name}: {m}")
