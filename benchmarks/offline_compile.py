@@ -38,6 +38,15 @@ DIVISIBLE = {
 # Unpacked launches pass None for the packed documents' tables (constexpr: absent from the compiled kernel).
 UNPACKED = dict(PACKED=False, DOC_START=None, DOC_END=None, CMP_START=None, SEL_START=None, BLOCK_START=None,
                 BLOCK_END=None)
+# The span and dQ kernels' tables of packed documents (nsa.ops.packing): pointers with PACKED, else None
+# (constexpr: absent from the compiled kernel, which is then the unpacked one).
+SPAN_TABLES = dict(DOC_START=I32, DOC_END=I32, CMP_START=I32, CMP_READY=I32, CMP_DOC_END=I32)
+
+
+def span_tables(packed: bool) -> dict:
+    return dict(PACKED=True) if packed else dict(PACKED=False, **dict.fromkeys(SPAN_TABLES))
+
+
 # kernel: (function, constexprs, pointer types, float scalars); every other argument is an i32 scalar.
 KERNELS = {
     "select": (selection._select_kernel,
@@ -57,22 +66,26 @@ KERNELS = {
     "finalize": (selected_attention._finalize_kernel, dict(MERGE=True, DV=64, BLOCK_DV=64, BLOCK_M=64, NP=16, h=6),
                  dict(OPART=BF16, LSEPART=F32, IDX=I64, O_CMP=BF16, O_WIN=BF16, GATES=BF16, O=BF16, O_SEL=BF16,
                       LSE_SEL=F32), ()),
-    **{f"span_{kind}_{mode}": (kernel, dict(**DIMS, MODE=m, BLOCK_M=128, BLOCK_N=64, ONE_BLOCK=m == 2, h=6) | extra
-                                | ({"GATED": m == 2} if kind == "fwd" else {}),
-                                 dict(Q=BF16, K=BF16, V=BF16, O=BF16, LSE=F32, IDX=I64, DO=BF16,
-                                      DELTA=F32, DQ=F32, DKo=F32, DVo=F32, O_CMP=BF16, O_WIN=BF16, GATES=BF16,
-                                      OUT=BF16), ("scale_log2", "scale"))
+    **{f"span_{kind}_{mode}{suffix}": (kernel, dict(**DIMS, MODE=m, BLOCK_M=128, BLOCK_N=64,
+                                                    ONE_BLOCK=m == 2 and not packed, h=6) | extra
+                                         | ({"GATED": m == 2} if kind == "fwd" else {}) | span_tables(packed),
+                                         dict(Q=BF16, K=BF16, V=BF16, O=BF16, LSE=F32, IDX=I64, DO=BF16,
+                                              DELTA=F32, DQ=F32, DKo=F32, DVo=F32, O_CMP=BF16, O_WIN=BF16,
+                                              GATES=BF16, OUT=BF16, **SPAN_TABLES), ("scale_log2", "scale"))
        for kind, kernel, extra in (("fwd", span_attention._span_fwd_kernel, {}),
                                    ("dkdv", span_attention._span_dkdv_kernel, dict(ATOMIC=True)))
-       for m, mode in enumerate(("cmp", "win", "sel"))},
-    **{f"query_grad_{name}": (query_grad._query_grad_kernel,
-                               dict(**DIMS, HAS_CMP=True, HAS_WIN=True, SEL=sel, NP=16, BLOCK_M=64,
-                                    BLOCK_N=32 if sel == 1 else 64, ONE_BLOCK=True, h=6),  # Tuning's dq tiles
-                               dict(Q=BF16, DO=BF16, DQ=BF16, KC=BF16, VC=BF16, KS=BF16, VS=BF16, KW=BF16, VW=BF16,
-                                    SEL_IDX=I64, PARTS=BF16, DQ_SEL=F32,
-                                    **{f"{x}_{c}": F32 for x in ("LSE", "DELTA") for c in "CSW"}),
-                               ("scale_log2", "scale"))
-       for name, sel in (("tiled", 1), ("parts", 2))},
+       for m, mode in enumerate(("cmp", "win", "sel"))
+       for suffix, packed in (("", False), ("_packed", True))},
+    **{f"query_grad_{name}{suffix}": (query_grad._query_grad_kernel,
+                                       dict(**DIMS, HAS_CMP=True, HAS_WIN=True, SEL=sel, NP=16, BLOCK_M=64,
+                                            BLOCK_N=32 if sel == 1 else 64, ONE_BLOCK=not packed, h=6)  # dq tiles
+                                       | span_tables(packed),
+                                       dict(Q=BF16, DO=BF16, DQ=BF16, KC=BF16, VC=BF16, KS=BF16, VS=BF16, KW=BF16,
+                                            VW=BF16, SEL_IDX=I64, PARTS=BF16, DQ_SEL=F32, **SPAN_TABLES,
+                                            **{f"{x}_{c}": F32 for x in ("LSE", "DELTA") for c in "CSW"}),
+                                       ("scale_log2", "scale"))
+       for name, sel, suffix, packed in (("tiled", 1, "", False), ("parts", 2, "", False),
+                                         ("tiled", 1, "_packed", True))},
     "index_keys": (inverse_index._entry_keys_kernel, dict(n=16, BLOCK=1024, **UNPACKED), dict(IDX=I64, KEYS=I32), ()),
     "index_bounds": (inverse_index._key_bounds_kernel, dict(BLOCK=1024), dict(SORTED=I32, STARTS=I32, ENDS=I32),
                      ()),

@@ -74,16 +74,13 @@ def nsa_attention(
     geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
                              n_sel=n_sel, window=window)
     check_nsa_inputs(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, cu_seqlens)
-    if cu_seqlens is not None:
-        return reference.nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry=geometry,
-                                       scale=scale, cu_seqlens=cu_seqlens)
     if resolve_backend(backend, q.device, q.shape[1]) == "triton":
         from .custom_ops import nsa_attention_kernels
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return nsa_attention_kernels(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, scale)
+        return nsa_attention_kernels(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, scale, cu_seqlens)
     return reference.nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry=geometry,
-                                   scale=scale)
+                                   scale=scale, cu_seqlens=cu_seqlens)
 
 
 def select_blocks(
@@ -105,11 +102,9 @@ def select_blocks(
     geometry = geometry_from(geometry, block_len=block_len, block_stride=block_stride, sel_block=sel_block,
                              n_sel=n_sel)
     check_select_inputs(q, k_cmp, geometry, cu_seqlens)
-    if cu_seqlens is not None:
-        return reference.select_blocks(q, k_cmp, geometry=geometry, scale=scale, cu_seqlens=cu_seqlens)
     if resolve_backend(backend, q.device, q.shape[1]) == "triton":
         from .custom_ops import select_blocks_kernels
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return select_blocks_kernels(q, k_cmp, geometry, scale)
-    return reference.select_blocks(q, k_cmp, geometry=geometry, scale=scale)
+        return select_blocks_kernels(q, k_cmp, geometry, scale, cu_seqlens)
+    return reference.select_blocks(q, k_cmp, geometry=geometry, scale=scale, cu_seqlens=cu_seqlens)

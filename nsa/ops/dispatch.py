@@ -4,7 +4,7 @@ Every choice between kernels is made here, from the tensors' metadata and `TUNIN
 
 - span_forward, span_dkdv (compressed, window and tiled selected branches) and query_grad (dQ of every branch):
   the Gluon kernel of nsa.ops.gluon where its switch is on and it supports the call (an sm_90 GPU, bf16, ...),
-  the Triton kernel of nsa.ops.triton otherwise;
+  the Triton kernel of nsa.ops.triton otherwise, and always for packed documents (a PackedLayout);
 - selected_path: the selected branch's path (tiled, per-query or block-centric), from T, h and l' alone, so that
   torch.compile's fake tensors decide it too;
 - selected_forward, selected_backward: that path's kernels, the block-centric ones in Gluon for calls large enough;
@@ -85,32 +85,35 @@ def _gluon_selected_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, sel_bl
 
 
 def span_forward(q: Tensor, k: Tensor, v: Tensor, mode: int, scale: float, geometry: NSAGeometry,
-                 bits: Tensor | None = None, gated: tuple | None = None) -> tuple[Tensor, ...]:
+                 bits: Tensor | None = None, gated: tuple | None = None,
+                 layout: PackedLayout | None = None) -> tuple[Tensor, ...]:
     """A span branch's output [B,T,H,Dv] (q's dtype) and log-sum-exp [B,T,H] (float32, -inf where nothing is
     visible). MODE_SEL needs the choices as span_attention.chosen_bits; with gated = (o_cmp, o_win, gates)
-    (MODE_SEL), the gated sum of the three branches comes third."""
+    (MODE_SEL), the gated sum of the three branches comes third. With `layout`, a packed stream's documents."""
     B, T, H, _ = q.shape
     o = q.new_empty(B, T, H, v.shape[-1])
     lse = q.new_empty(B, T, H, dtype=torch.float32)
     out = torch.empty_like(o) if gated is not None else o
-    if TUNING.gluon_forward and gluon_forward.supports(q, k, v, mode, geometry.sel_block):
+    if layout is None and TUNING.gluon_forward and gluon_forward.supports(q, k, v, mode, geometry.sel_block):
         gluon_forward.launch(q, k, v, o, lse, mode, scale, geometry, *triton_span.selection_args(bits, q), gated, out)
     else:
-        triton_span.forward(q, k, v, o, lse, mode, scale, geometry, bits, gated, out)
+        triton_span.forward(q, k, v, o, lse, mode, scale, geometry, bits, gated, out, layout)
     return (o, lse, out) if gated is not None else (o, lse)
 
 
 def span_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, mode: int, scale: float,
-              geometry: NSAGeometry, bits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              geometry: NSAGeometry, bits: Tensor | None = None,
+              layout: PackedLayout | None = None) -> tuple[Tensor, Tensor]:
     """(dK, dV) of one span branch (its dQ is query_grad's): float32 where programs split the rows (atomic sums, or
-    in deterministic mode partial sums added in a fixed order), else in k's type.
+    in deterministic mode partial sums added in a fixed order), else in k's type. With `layout`, a packed stream's
+    documents (compressed rows that hold no document's token get zero).
 
     do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
     gating.gate_grads (lse - ln(gate), rowsum(do * o_branch)).
     """
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    gluon = TUNING.gluon_backward and gluon_backward.supports(q, k, v, do, mode, geometry.sel_block)
+    gluon = layout is None and TUNING.gluon_backward and gluon_backward.supports(q, k, v, do, mode, geometry.sel_block)
     tiles = gluon_backward.config(Dk) if gluon else tile_sizes(q, Dk, Dv, "dkdv")
     rows = T * (H // G)
     if mode == MODE_WIN:  # a window key is seen by at most w queries: one program holds them
@@ -130,21 +133,24 @@ def span_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: T
         gluon_backward.launch(q, k, v, do, lse, delta, dk_out, dv_out, mode, scale, geometry,
                               *triton_span.selection_args(bits, q), splits, rows_per_split)
     elif NK > 0:
-        triton_span.dkdv(q, k, v, do, lse, delta, dk_out, dv_out, mode, scale, geometry, bits, splits, rows_per_split)
+        triton_span.dkdv(q, k, v, do, lse, delta, dk_out, dv_out, mode, scale, geometry, bits, splits, rows_per_split,
+                         layout)
     return (dk_out.sum(0), dv_out.sum(0)) if parts > 1 else (dk_out[0], dv_out[0])
 
 
 def query_grad(q: Tensor, do: Tensor, lse_g: Tensor, delta: Tensor, scale: float, geometry: NSAGeometry,
-               cmp: tuple | None, win: tuple | None, sel: SelectedDQ) -> Tensor:
-    """dQ [B,T,H,Dk] in q's dtype: the compressed ((k, v) or None), window ((k, v) or None) and selected branches.
+               cmp: tuple | None, win: tuple | None, sel: SelectedDQ, layout: PackedLayout | None = None) -> Tensor:
+    """dQ [B,T,H,Dk] in q's dtype: the compressed ((k, v) or None), window ((k, v) or None) and selected branches;
+    with `layout`, of a packed stream's documents.
 
     lse_g and delta [3,B,T,H] (cmp, sel, win) are gating.gate_grads's gated lse and dL/dg.
     """
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    if TUNING.gluon_query_grad and gluon_query_grad.supports(q, do, cmp, win, sel, geometry.sel_block):
+    if layout is None and TUNING.gluon_query_grad and gluon_query_grad.supports(q, do, cmp, win, sel,
+                                                                                geometry.sel_block):
         gluon_query_grad.launch(q, do, dq, lse_g, delta, scale, geometry, cmp, win, sel)
     else:
-        triton_query_grad.launch(q, do, dq, lse_g, delta, scale, geometry, cmp, win, sel)
+        triton_query_grad.launch(q, do, dq, lse_g, delta, scale, geometry, cmp, win, sel, layout)
     return dq
 
 
@@ -165,7 +171,7 @@ def selected_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse: 
     path = selected_path(T, h, sel_block, forward=True)
     if path == TILED:  # the tiled kernel writes the gated sum too
         bits = triton_span.chosen_bits(indices, geometry.num_selection_blocks(T))
-        o_sel, lse_sel, o = span_forward(q, k, v, MODE_SEL, scale, geometry, bits, gated=(o_cmp, o_win, gates))
+        o_sel, lse_sel, o = span_forward(q, k, v, MODE_SEL, scale, geometry, bits, (o_cmp, o_win, gates), layout)
         return o, o_sel, lse_sel
     o = q.new_empty(B, T, H, Dv)
     o_sel = torch.empty_like(o)
@@ -199,7 +205,7 @@ def selected_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse:
     path = selected_path(T, h, sel_block)
     if path == TILED:
         bits = triton_span.chosen_bits(indices, geometry.num_selection_blocks(T))
-        dk, dv = span_dkdv(q, k, v, do, lse, delta, MODE_SEL, scale, geometry, bits)
+        dk, dv = span_dkdv(q, k, v, do, lse, delta, MODE_SEL, scale, geometry, bits, layout)
         return dk, dv, SelectedDQ(SEL_TILED, k=k, v=v, choice=bits)
     token = path == TOKEN
     if token and inverse[0].numel() == 0:  # its dK/dV is block-centric too; a per-query forward built no index

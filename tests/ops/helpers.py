@@ -68,3 +68,48 @@ class LaunchSpy:
             self.launches.append((grid, kwargs))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def packed_branch_kernels(mode, geometry, scale, q, k, v, indices, do, layout):
+    """One span branch of a packed stream on the kernels' stages (span_forward, span_dkdv, query_grad): its output
+    and (dq, dk, dv) for the output gradient do. indices: MODE_SEL's document-relative choices (tiled path)."""
+    from nsa.ops.branches import MODE_CMP, MODE_SEL, MODE_WIN, SEL_NONE, SEL_TILED, SelectedDQ
+    from nsa.ops.dispatch import query_grad, span_dkdv, span_forward
+    from nsa.ops.triton.span_attention import chosen_bits
+
+    bits = chosen_bits(indices, 64) if mode == MODE_SEL else None
+    o, lse = span_forward(q, k, v, mode, scale, geometry, bits, layout=layout)
+    delta = (do.float() * o.float()).sum(-1)
+    dk, dv = span_dkdv(q, k, v, do, lse, delta, mode, scale, geometry, bits, layout)
+    slot = {MODE_CMP: 0, MODE_SEL: 1, MODE_WIN: 2}[mode]
+    lse_g, delta_g = (torch.stack([x if i == slot else torch.zeros_like(x) for i in range(3)]) for x in (lse, delta))
+    sel = SelectedDQ(SEL_TILED, k=k, v=v, choice=bits) if mode == MODE_SEL else SelectedDQ(SEL_NONE)
+    dq = query_grad(q, do, lse_g, delta_g, scale, geometry, (k, v) if mode == MODE_CMP else None,
+                    (k, v) if mode == MODE_WIN else None, sel, layout)
+    return o, (dq, dk.to(k.dtype), dv.to(v.dtype))
+
+
+def packed_branch_reference(mode, geometry, scale, q, k, v, indices, do, cu_seqlens):
+    """The same branch with each document run alone on the reference (k: the documents' compressed rows back to
+    back for MODE_CMP, their tokens otherwise); rows of k that no document holds get a zero gradient."""
+    from nsa.ops import compressed_offsets, reference
+    from nsa.ops.branches import MODE_CMP, MODE_WIN
+
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    bounds, offsets = cu_seqlens.tolist(), compressed_offsets(cu_seqlens, geometry).tolist()
+    outs = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b == a:
+            continue
+        ka, kb = (offsets[i], offsets[i + 1]) if mode == MODE_CMP else (a, b)
+        qd, kd, vd = q[:, a:b], k[:, ka:kb], v[:, ka:kb]
+        if mode == MODE_CMP:
+            outs.append(reference.compressed_attention(qd, kd, vd, block_len=geometry.block_len,
+                                                       block_stride=geometry.block_stride, scale=scale))
+        elif mode == MODE_WIN:
+            outs.append(reference.window_attention(qd, kd, vd, window=geometry.window, scale=scale))
+        else:
+            outs.append(reference.selected_attention(qd, kd, vd, indices[:, a:b], sel_block=geometry.sel_block,
+                                                     scale=scale))
+    out = torch.cat(outs, dim=1)
+    return out.detach(), torch.autograd.grad((out * do).sum(), (q, k, v))

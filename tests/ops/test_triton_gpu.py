@@ -547,3 +547,83 @@ def test_one_packed_document_is_the_unpacked_call(packed_gathered_path):
     torch.testing.assert_close(packed[0], o_sel, rtol=0, atol=0)
     for out_name, x, w in zip(("dq", "dk", "dv"), packed[1:], (sel.dense(), dk, dv)):
         torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{out_name}: {m}")
+
+
+# ---------------------------------------------------------------- packed documents
+
+
+def varied_document_lengths(total, longest, seed):
+    """Lengths between 1 and `longest` tokens filling `total` (after a 1-token, a sub-block and a non-multiple
+    document), then two empty documents (padding)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 31, 100]
+    while sum(lengths) < total:
+        lengths.append(min(int(torch.randint(1, longest + 1, (1,), generator=g)), total - sum(lengths)))
+    return lengths + [0, 0]
+
+
+def packed_bf16_inputs(name, lengths, seed=0):
+    """q, k_cmp (Nc(total) rows), v_cmp, k_sel, v_sel, k_win, v_win, gates of one packed stream in bf16, and
+    cu_seqlens."""
+    H, G, Dk, Dv = SHAPES[name]
+    total = sum(lengths)
+    ins = nsa_inputs(1, total, H, G, Dk, Dv, block_len=32, block_stride=16, seed=seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return [t.cuda().to(torch.bfloat16).requires_grad_() for t in ins], cu
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["cmp", "win", "sel"])
+def test_packed_span_stages_in_bf16_match_the_float32_reference_per_document(mode):
+    from helpers import packed_branch_kernels, packed_branch_reference
+    from nsa.ops.packing import packed_layout
+
+    # The tiled selected branch holds at most 64 selection blocks: 4096 tokens for it, 16k for the others.
+    lengths = varied_document_lengths(4096 if mode == MODE_SEL else 16384, 4096, seed=mode)
+    ins, cu = packed_bf16_inputs("m7c", lengths, seed=mode)
+    q, k, v = (ins[0], ins[1], ins[2]) if mode == 0 else (ins[0], ins[3 + 2 * (mode == 1)], ins[4 + 2 * (mode == 1)])
+    f32 = [t.detach().float() for t in (q, k, v)]
+    indices = None
+    if mode == MODE_SEL:
+        indices = reference.select_blocks(f32[0], ins[1].detach().float(), **SELECT_HP, cu_seqlens=cu)
+    do = torch.randn(q.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    scale = q.shape[-1] ** -0.5
+    layout = packed_layout(cu, GEOMETRY, q.shape[1], ins[1].shape[1])
+    out, grads = packed_branch_kernels(mode, GEOMETRY, scale, q.detach(), k.detach(), v.detach(), indices,
+                                       do.to(torch.bfloat16), layout)
+    want, want_grads = packed_branch_reference(mode, GEOMETRY, scale, *f32, indices, do, cu)
+    assert rel_err(out, want) < 1e-2
+    for grad_name, g, r in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert torch.isfinite(g).all(), grad_name
+        assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
+
+
+def test_packed_bf16_kernels_match_the_float32_reference_per_document():
+    ins, cu = packed_bf16_inputs("m7c", varied_document_lengths(16384, 4096, seed=7), seed=7)
+    idx = select_blocks(ins[0], ins[1], **SELECT_HP, cu_seqlens=cu, backend="triton")
+    f32 = [t.detach().float().requires_grad_() for t in ins]
+    ref_idx = reference.select_blocks(f32[0], f32[1], **SELECT_HP, cu_seqlens=cu)
+    assert (idx != ref_idx).any(-1).float().mean() < 0.01, "more than 1% of selections differ"
+
+    out = nsa_attention(*ins, **HP, cu_seqlens=cu, backend="triton")
+    ref = reference.nsa_attention(*f32, **HP, indices=idx, cu_seqlens=cu)
+    assert rel_err(out, ref) < 1e-2
+    do = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, ins, do.to(torch.bfloat16))
+    ref_grads = torch.autograd.grad(ref, f32, do)
+    for grad_name, g, r in zip(NAMES, grads, ref_grads):
+        assert torch.isfinite(g).all(), grad_name
+        assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
+
+
+@pytest.mark.parametrize("T", [700, 4133])
+def test_one_packed_document_is_the_unpacked_nsa_call(T):
+    ins = bf16_inputs(1, T, "m7c", seed=T)
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    idx = select_blocks(ins[0], ins[1], **SELECT_HP, backend="triton")
+    assert torch.equal(select_blocks(ins[0], ins[1], **SELECT_HP, cu_seqlens=cu, backend="triton"), idx)
+    out = nsa_attention(*ins, **HP, backend="triton")
+    packed = nsa_attention(*ins, **HP, cu_seqlens=cu, backend="triton")
+    assert rel_err(packed, out) < 1e-2
+    do = torch.randn_like(out)
+    for grad_name, g, r in zip(NAMES, torch.autograd.grad(packed, ins, do), torch.autograd.grad(out, ins, do)):
+        assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))

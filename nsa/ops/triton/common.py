@@ -2,7 +2,8 @@
 
 - tiles: loads and stores of row tiles, the online softmax, a branch's gradient rows;
 - span keys: which keys a program's (token, head) rows see in the span kernels (span_attention.py) and the dQ kernel
-  of every branch (query_grad.py), and the loops' masked edges and unmasked interior;
+  of every branch (query_grad.py), and the loops' masked edges and unmasked interior, for one sequence a batch
+  row or packed documents (nsa.ops.packing's tables, behind the PACKED flag);
 - Eq. 9 and ranking: block overlaps and the running top-K merge of the selection and decode kernels;
 - search: a binary search over a sorted array (the inverse index's items);
 - launch: tile sizes, widths, the GPU's SM count and PyTorch's deterministic mode.
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..packing import PackedLayout
 from ..tuning import TUNING
 
 LOG2E = 1.4426950408889634
@@ -99,6 +101,21 @@ def key_range(t, MODE: tl.constexpr, block_len, block_stride, window):
 
 
 @triton.jit
+def document_key_range(p, row_ok, DOC_START, CMP_START, MODE: tl.constexpr, block_len, block_stride, window):
+    """Packed documents: first and last key visible to stream position(s) p (int32): key_range at the position in
+    the document, moved onto the document's keys (its compressed rows for MODE_CMP, its tokens otherwise). Both
+    bounds are non-decreasing in p (a later document's keys follow an earlier one's), so a tile's first and last
+    tokens bound every row's, as they do without documents."""
+    doc_start = tl.load(DOC_START + p, mask=row_ok, other=0)
+    lo, hi = key_range(p - doc_start, MODE, block_len, block_stride, window)
+    if MODE == 0:
+        base = tl.load(CMP_START + p, mask=row_ok, other=0)
+    else:
+        base = doc_start
+    return lo + base, hi + base
+
+
+@triton.jit
 def chosen_blocks(BITS, off, row_ok):
     """[rows] bit j set where the row's query chose selection block j (MODE_SEL has at most 64 blocks)."""
     return tl.load(BITS + off, mask=row_ok, other=0)
@@ -117,6 +134,15 @@ def picked_rows(bits, first_key, sel_block):
     A choice that is one bit per row is applied per row, not per element: as a +inf log-sum-exp or softmax
     maximum (p = 0), instead of a select over the tile."""
     return ((bits >> (first_key // sel_block)) & 1) != 0
+
+
+@triton.jit
+def picked_in_document(bits, k32, doc_start, sel_block):
+    """[rows, keys]: picked for packed documents, whose blocks start at each row's document start (int32 keys and
+    starts); keys before it read block 0 (the range masks them). Within a document's visible keys the block is
+    below 64 (the tiled path runs while the whole stream has at most 64 blocks); later keys clamp to 63."""
+    block = tl.minimum(tl.maximum(k32[None, :] - doc_start[:, None], 0) // sel_block, 63)
+    return ((bits[:, None] >> block.to(tl.int64)) & 1) != 0
 
 
 @triton.jit
@@ -148,33 +174,53 @@ def key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK: tl.constexpr
 
 
 @triton.jit
-def visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr):
+def visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
+            PACKED: tl.constexpr):
     """[rows, keys]: each row's visible range (lo, hi int32), and for MODE_SEL its choices (unless ONE_BLOCK).
 
     The compressed range starts at key 0, so one compare (rows past the end get an empty range). The window's
     two bounds stay two compares: as one unsigned compare of hi - key they need more registers (the dQ kernel
-    then fits fewer programs per SM and the tiled selected forward spills)."""
+    then fits fewer programs per SM and the tiled selected forward spills). PACKED: every range has two bounds
+    (a document's compressed rows start at its first row), and MODE_SEL's blocks start at each row's document
+    start, which is its lo."""
     k32 = kidx.to(tl.int32)  # 32-bit compares: key indices stay below T
-    if MODE == 0:
+    if MODE == 0 and not PACKED:
         seen = k32[None, :] <= tl.where(row_ok, hi, -1)[:, None]
     else:
         seen = (k32[None, :] >= lo[:, None]) & (k32[None, :] <= hi[:, None]) & row_ok[:, None]
-    if MODE == 2 and not ONE_BLOCK:  # ONE_BLOCK: the callers apply the choice per row
+    if MODE == 2 and PACKED:
+        seen = seen & picked_in_document(chosen, k32, lo, sel_block)
+    elif MODE == 2 and not ONE_BLOCK:  # ONE_BLOCK: the callers apply the choice per row
         seen = seen & picked(chosen, kidx, sel_block)
     return seen
 
 
 @triton.jit
 def key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constexpr, block_len, block_stride, window,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr, DOC_START, CMP_START):
     """For a tile of query rows: each row's key range, the tile's key steps [k_start, k_end), the rows' choices
-    (MODE_SEL), and the interior [a, e) of keys every row sees (MODE_SEL masks it by the choices alone)."""
-    lo, hi = key_range(t.to(tl.int32), MODE, block_len, block_stride, window)
+    (MODE_SEL), the interior [a, e) of keys every row sees (MODE_SEL masks it by the choices alone), and the first
+    key the tile's last row sees.
+
+    PACKED (DOC_START, CMP_START: the layout's per-token tables): the ranges of document_key_range. A tile that
+    holds rows of two documents has no interior (the later document's first key follows the earlier one's
+    last), so the interior's rows are of one document; for MODE_SEL its keys' blocks start at that last key."""
+    if PACKED:
+        lo, hi = document_key_range(t.to(tl.int32), row_ok, DOC_START, CMP_START, MODE, block_len, block_stride,
+                                    window)
+    else:
+        lo, hi = key_range(t.to(tl.int32), MODE, block_len, block_stride, window)
     t_first = (pid_m * BLOCK_M) // h
     t_last = tl.minimum(T - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // h)
     # Keys any row sees: from the first token's first to the last token's last (the start aligned to BLOCK_N).
-    span_lo, full_hi = key_range(t_first, MODE, block_len, block_stride, window)
-    full_lo, span_hi = key_range(t_last, MODE, block_len, block_stride, window)
+    if PACKED:
+        span_lo, full_hi = document_key_range(t_first, t_first < T, DOC_START, CMP_START, MODE, block_len,
+                                              block_stride, window)
+        full_lo, span_hi = document_key_range(t_last, t_last < T, DOC_START, CMP_START, MODE, block_len,
+                                              block_stride, window)
+    else:
+        span_lo, full_hi = key_range(t_first, MODE, block_len, block_stride, window)
+        full_lo, span_hi = key_range(t_last, MODE, block_len, block_stride, window)
     k_start = (span_lo // BLOCK_N) * BLOCK_N
     k_end = span_hi + 1
     if MODE == 2:
@@ -182,7 +228,7 @@ def key_plan(pid_m, b, g, t, row_ok, T, h, IDX, sib, sit, sig, MODE: tl.constexp
     else:
         chosen = row_ok.to(tl.int64)
     a, e = interior(k_start, k_end, full_lo, full_hi, BLOCK_N, False)
-    return lo, hi, k_start, k_end, chosen, a, e
+    return lo, hi, k_start, k_end, chosen, a, e, full_lo
 
 
 # ---------------------------------------------------------------- Eq. 9 and ranking
@@ -240,6 +286,12 @@ def tile_sizes(q: torch.Tensor, dk: int, dv: int, kernel: str = "fwd") -> dict:
                     num_stages=TUNING.span_stages)
     return dict(BLOCK_M=TUNING.span_block_m_wide if wide else TUNING.span_block_m, BLOCK_N=TUNING.span_block_n,
                 num_warps=TUNING.span_warps, num_stages=TUNING.span_stages)
+
+
+def one_block(mode: int, sel_block: int, block_n: int, layout: PackedLayout | None) -> bool:
+    """Whether every MODE_SEL key step lies in one selection block (its choice is then applied per row): key steps
+    start at multiples of block_n, and so do blocks of a sequence, not those of packed documents."""
+    return mode == 2 and sel_block % block_n == 0 and layout is None
 
 
 def dot_width(n: int) -> int:
