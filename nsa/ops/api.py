@@ -78,7 +78,8 @@ def nsa_attention(
         from .custom_ops import nsa_attention_kernels
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return nsa_attention_kernels(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, scale, cu_seqlens)
+        return nsa_attention_kernels(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry, scale,
+                                     several_documents(cu_seqlens))
     return reference.nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, geometry=geometry,
                                    scale=scale, cu_seqlens=cu_seqlens)
 
@@ -106,5 +107,12 @@ def select_blocks(
         from .custom_ops import select_blocks_kernels
 
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return select_blocks_kernels(q, k_cmp, geometry, scale, cu_seqlens)
+        return select_blocks_kernels(q, k_cmp, geometry, scale, several_documents(cu_seqlens))
     return reference.select_blocks(q, k_cmp, geometry=geometry, scale=scale, cu_seqlens=cu_seqlens)
+
+
+def several_documents(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """cu_seqlens, or None where it has two entries: one document, [0, total] by the convention, which the
+    unpacked kernels (Gluon's included) run at their own speed. Decided from the shape alone, so nothing waits
+    for the device and a compiled or captured call keeps one path."""
+    return None if cu_seqlens is None or cu_seqlens.shape[0] == 2 else cu_seqlens

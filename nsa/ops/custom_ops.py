@@ -47,9 +47,7 @@ def _compressed_and_choice(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, geometry: NS
 
 def _choice(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, scale: float, geometry: NSAGeometry,
             layout: PackedLayout | None) -> Tensor:
-    """The chosen blocks (document-relative with a layout); the unpacked call as it always was."""
-    if layout is None:
-        return select_blocks_fwd(q, k_cmp, lse_cmp, scale, geometry)
+    """The chosen blocks (document-relative with a layout)."""
     return select_blocks_fwd(q, k_cmp, lse_cmp, scale, geometry, layout=layout)
 
 
