@@ -110,13 +110,16 @@ def model_overrides(attention: str) -> list[str]:
 
 def bench_config(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int,
                  steps: int):
-    """The training config of one benchmark row: synthetic tokens, no evaluation or sampling, nothing resumed."""
+    """The training config of one benchmark row: synthetic tokens unless `overrides` name a data source (e.g.
+    data.source=embedded data.document_masking=true, to time masking on real documents), no evaluation or
+    sampling, nothing resumed."""
     batch = max(1, batch_tokens // seq_len)
     # One folder name for every rank: the ranks check that they were given the same config.
     out = Path(tempfile.gettempdir()) / "nsa-bench-train"
     return load_config(config, [
+        "data.source=synthetic", "data.tokenizer=byte",
         *overrides, *model_overrides(attention), f"train.seq_len={seq_len}", f"train.batch_size={batch}",
-        "data.source=synthetic", "data.tokenizer=byte", "data.val_fraction=0", "train.progress=false",
+        "data.val_fraction=0", "train.progress=false",
         "train.sample_tokens=0", f"train.out_dir={out}", f"train.run_name={attention.replace(':', '-')}-{seq_len}",
         "checkpoint.resume=none", f"train.steps={steps}",
     ])

@@ -133,6 +133,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(bench, "_nsa_packed", lambda ins, cu: "nsa")
     monkeypatch.setattr(bench, "_flex", lambda ins, mixture: ("flex", []))
     monkeypatch.setattr(bench, "_varlen", lambda ins, mixture, backend: (backend, []))
+    monkeypatch.setattr(bench, "_flash_varlen", lambda ins, mixture: ("flash", []))
     monkeypatch.setattr(bench, "_fla", lambda ins, cu=None: ("fla", []) if cu is not None else None)
     monkeypatch.setattr(bench, "_fwd_bwd", lambda forward, tensors: forward + "+bwd")
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
