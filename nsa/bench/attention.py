@@ -11,6 +11,8 @@ cuDNN kernel on nested jagged tensors) and fla's varlen parallel_nsa; and one do
 
 from __future__ import annotations
 
+import inspect
+
 import contextlib
 import dataclasses
 import functools
@@ -357,20 +359,25 @@ def _compiled_flex_attention():
 
 def _flash_varlen(ins, mixture: Mixture):
     """PyTorch's varlen flash attention (`torch.nn.attention.varlen.varlen_attn`, flash-attn's varlen kernel) on
-    the packed tokens, one causal sequence per document, the groups shared through GQA; without that module
-    (PyTorch before 2.10), SDPA's flash kernel on nested jagged tensors."""
+    the packed tokens, one causal sequence per document; without that module (PyTorch before 2.10), SDPA's flash
+    kernel on nested jagged tensors. Key/value heads repeated over each group,
+    as for the dense references."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return _varlen(ins, mixture, "flash")
     q, k, v = ins[0], ins[3], ins[4]
-    values = [t.detach()[0].contiguous().requires_grad_() for t in (q, k, v)]
+    h = q.shape[2] // k.shape[2]
+    values = [q.detach()[0].contiguous().requires_grad_()]
+    values += [t.detach()[0].repeat_interleave(h, 1).contiguous().requires_grad_() for t in (k, v)]
     offsets = cu_seqlens(mixture, q.device)
     longest = max(mixture.lengths)
+    # Causality is a (left, 0) window in recent PyTorch, `is_causal` in the first releases with varlen_attn.
+    causal = ({"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters
+              else {"is_causal": True})
 
     def fwd():
-        return varlen_attn(*values, offsets, offsets, longest, longest, window_size=(-1, 0),
-                           enable_gqa=q.shape[2] != k.shape[2])
+        return varlen_attn(*values, offsets, offsets, longest, longest, **causal)
 
     return fwd, values
 
