@@ -30,6 +30,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Every test that needs a GPU: the kernel files whole, and the GPU-only tests of the others.
 python3 -m pytest -q -p no:cacheprovider \
   tests/ops/test_triton_gpu.py tests/ops/test_triton_decode.py tests/ops/test_triton_phi.py \
+  tests/model/test_packed_documents.py tests/train/test_document_masking.py \
   "tests/model/test_model.py::test_a_pinned_dense_kernel_runs_on_the_gpu_forward_and_backward" \
   "tests/train/test_train.py::test_cuda_graph_steps_give_the_compiled_steps_losses" \
   "tests/train/test_train.py::test_deterministic_runs_repeat_and_resume_bit_for_bit" \
