@@ -349,12 +349,19 @@ def _per_document(fn, cu_seqlens: torch.Tensor, geometry: NSAGeometry, raw: dict
     document_bounds(cu_seqlens, total)  # checks the boundaries
     bounds = cu_seqlens.tolist()
     offsets = compressed_offsets(cu_seqlens, geometry).tolist()
-    pieces = []
-    for doc, (start, end) in enumerate(zip(bounds, bounds[1:])):
-        if end > start:
-            tensors = {name: t[:, start:end] for name, t in raw.items()}
-            tensors |= {name: t[:, offsets[doc]:offsets[doc + 1]] for name, t in compressed.items()}
-            pieces.append(fn(**tensors))
-    if not pieces:  # no token at all: the unpacked op's empty output, still connected to every input
+    documents = [(doc, start, end) for doc, (start, end) in enumerate(zip(bounds, bounds[1:])) if end > start]
+    if not documents:  # no token at all: the unpacked op's empty output, still connected to every input
         return fn(**{name: t[:, :0] for name, t in (raw | compressed).items()})
-    return torch.cat(pieces, dim=1)
+    # Documents of one length run as one batch of the unpacked op (each row its own sequence): the same result
+    # as one call each, in far fewer calls where windows hold whole documents.
+    by_length: dict[int, list[tuple[int, int, int]]] = {}
+    for document in documents:
+        by_length.setdefault(document[2] - document[1], []).append(document)
+    pieces: dict[int, torch.Tensor] = {}
+    for same in by_length.values():
+        tensors = {name: torch.cat([t[:, start:end] for _, start, end in same]) for name, t in raw.items()}
+        tensors |= {name: torch.cat([t[:, offsets[doc]:offsets[doc + 1]] for doc, _, _ in same])
+                    for name, t in compressed.items()}
+        for (doc, _, _), out in zip(same, fn(**tensors).split(1)):
+            pieces[doc] = out
+    return torch.cat([pieces[doc] for doc, _, _ in documents], dim=1)

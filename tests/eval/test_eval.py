@@ -174,7 +174,7 @@ def test_retrieval_source_resumes_exactly_and_validation_differs():
 
     cfg = load_config(None, ["data.source=retrieval", "data.retrieval.task=passkey", "train.seq_len=256"])
     data = build_data(cfg.data, ByteTokenizer(), 256, 2, 2, seed=9)
-    train_x, _ = data.train.next_batch()
+    train_x = data.train.next_batch()[0]
     data.train.close()
     assert len(data.val) == 2 and not torch.equal(train_x, data.val[0][0])
     other_rank = build_data(cfg.data, ByteTokenizer(), 256, 2, 2, seed=9, rank=1, world=2)

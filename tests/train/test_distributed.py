@@ -157,8 +157,8 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_pat
     # Rank 1 alone sees a NaN loss at its 4th forward; the agreement must stop rank 0 too, at the same step.
     prelude = (
         "real, calls = Transformer.forward, [0]\n"
-        "def poisoned(self, tokens, targets=None):\n"
-        "    out = real(self, tokens, targets)\n"
+        "def poisoned(self, tokens, targets=None, cu_seqlens=None):\n"
+        "    out = real(self, tokens, targets, cu_seqlens)\n"
         "    if targets is not None and self.training:\n"
         "        calls[0] += 1\n"
         "        if os.environ['RANK'] == '1' and calls[0] == 4:\n"
@@ -220,11 +220,11 @@ def test_an_error_on_one_rank_ends_the_job_instead_of_hanging_it(tmp_path):
     # seconds, not after the collective timeout (300 s here), with rank 1's error on screen.
     prelude = (
         "real, calls = Transformer.forward, [0]\n"
-        "def failing(self, tokens, targets=None):\n"
+        "def failing(self, tokens, targets=None, cu_seqlens=None):\n"
         "    calls[0] += 1\n"
         "    if os.environ['RANK'] == '1' and calls[0] == 3:\n"
         "        raise RuntimeError('rank 1 broke on purpose')\n"
-        "    return real(self, tokens, targets)\n"
+        "    return real(self, tokens, targets, cu_seqlens)\n"
         "Transformer.forward = failing\n"
     )
     start = time.monotonic()

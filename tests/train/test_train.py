@@ -333,8 +333,8 @@ def test_a_non_finite_loss_halts_with_a_checkpoint_and_a_message(tmp_path, monke
     calls = {"n": 0}
     real_forward = Transformer.forward
 
-    def poisoned(self, tokens, targets=None):
-        out = real_forward(self, tokens, targets)
+    def poisoned(self, tokens, targets=None, cu_seqlens=None):
+        out = real_forward(self, tokens, targets, cu_seqlens)
         calls["n"] += 1
         return out * float("nan") if targets is not None and calls["n"] == 4 else out
 
