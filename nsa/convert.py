@@ -46,7 +46,8 @@ def read_hf_config(folder: Path) -> dict:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"'{folder}' has no config.json; give a Hugging Face model folder saved by save_pretrained") from None
+        raise UserError(f"'{folder}' has no config.json; give a Hugging Face model folder saved by "
+                        "save_pretrained") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{path} cannot be read as JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(config, dict):
@@ -131,7 +132,8 @@ def nsa_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
             nsa + "attn.wkv.weight": kv.reshape(-1, cfg.dim),
             nsa + "attn.wo.weight": take(hf + "self_attn.o_proj.weight"),
             nsa + "mlp_norm.weight": take(hf + "post_attention_layernorm.weight"),
-            nsa + "mlp.w_gate_up.weight": torch.cat((take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight"))),
+            nsa + "mlp.w_gate_up.weight": torch.cat((take(hf + "mlp.gate_proj.weight"),
+                                                      take(hf + "mlp.up_proj.weight"))),
             nsa + "mlp.w_down.weight": take(hf + "mlp.down_proj.weight"),
         }
     return out
@@ -149,13 +151,13 @@ def _taker(weights: dict[str, torch.Tensor]):
 def converted_model(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> Transformer:
     """An NSA Transformer holding the dense weights, phi at the block mean and every gate at 1/2."""
     model = Transformer(cfg)
-    state = model.state_dict()
-    for name, tensor in nsa_state_dict(weights, cfg).items():
+    state, converted = model.state_dict(), nsa_state_dict(weights, cfg)
+    for name, tensor in converted.items():
         if tensor.shape != state[name].shape:
             raise UserError(f"'{name}' would take a tensor of shape {list(tensor.shape)} where the model derived "
                             f"from config.json has {list(state[name].shape)}; the weights do not match config.json")
     with torch.no_grad():
-        model.load_state_dict(nsa_state_dict(weights, cfg), strict=False)
+        model.load_state_dict(converted, strict=False)
         for layer in model.layers:
             torch.nn.init.zeros_(layer.attn.gate.fc2.weight)  # sigmoid(0): every gate 1/2
             # phi: a fresh BlockCompressor's last layer is already zero (the block mean); said again as the contract.
@@ -191,7 +193,8 @@ def convert(dense_dir: str | Path, out_dir: str | Path, overrides: list[str] | N
 def _nsa_params(overrides: list[str]) -> NSAParams:
     for text in overrides:
         if not text.startswith("model.nsa."):
-            raise UserError(f"'{text}': nsa convert takes only model.nsa.KEY=VALUE settings (e.g. model.nsa.window=4096)")
+            raise UserError(f"'{text}': nsa convert takes only model.nsa.KEY=VALUE settings "
+                            "(e.g. model.nsa.window=4096)")
     return apply_overrides(RunConfig(model=ModelConfig(nsa=NSAParams())), overrides).model.nsa
 
 
