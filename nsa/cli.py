@@ -77,6 +77,15 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(ns: argparse.Namespace) -> int:
+    from .convert import convert
+
+    out = convert(ns.dense_dir, ns.out_dir, ns.overrides)
+    print(f"wrote {out}; sample with `nsa generate {out}`, continue training with "
+          f"`nsa train {out / 'train.yaml'} data.source=text data.path=...` (docs/convert.md)")
+    return 0
+
+
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from .inference.generate import generate_text, generate_texts, load_for_inference
 
@@ -214,6 +223,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
     p.add_argument("out", help="output .safetensors path")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "convert",
+        help="a dense Hugging Face Llama model folder as an NSA checkpoint folder (then generate, eval, train)",
+        description="Reads DENSE_HF_DIR (config.json and *.safetensors of a LlamaForCausalLM) and writes OUT_DIR, a "
+        "checkpoint folder of the NSA model of the same shape: embeddings, norms, MLP, query and output projections "
+        "copied, every branch's keys and values from the dense ones, phi at the block mean, every gate at 1/2; the "
+        "tokenizer files alongside, and OUT_DIR/train.yaml to continue training (docs/convert.md).",
+    )
+    p.add_argument("dense_dir", metavar="DENSE_HF_DIR", help="a Hugging Face model folder saved by save_pretrained")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the checkpoint folder to write (new or empty)")
+    p.add_argument("overrides", nargs="*", metavar="model.nsa.key=value",
+                   help="NSA hyper-parameters (default M7C's: model.nsa.window=512 ...), e.g. model.nsa.window=4096")
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser(
         "generate",

@@ -77,6 +77,25 @@ def save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank_st
     return path
 
 
+def save_weights(path: Path, model: nn.Module, meta: dict, extra_files: tuple[Path, ...] = ()) -> Path:
+    """A checkpoint of weights only (no optimizer or per-rank state), written on one process: what generation,
+    evaluation, export and model.init_from read (checkpoint.resume needs a checkpoint the trainer wrote).
+    `extra_files` are copied in and recorded with the pieces. The folder appears complete or not at all."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        _fresh_folder(tmp)
+        with _quiet_single_process():
+            dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp))
+        for file in extra_files:
+            shutil.copy2(file, tmp / Path(file).name)
+        _complete(tmp, path, meta | {"world_size": 1}, keep=0)
+    except (Exception, dcp.CheckpointException) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(e, path, "choose another output folder") from e
+    return path
+
+
 def _fresh_folder(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

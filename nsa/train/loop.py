@@ -40,6 +40,7 @@ from ..typed_config import to_dict
 from . import checkpoint
 from .config import ParallelConfig
 from .distributed import DistInfo, all_reduce_mean, any_rank, check_same_config, init_distributed, shutdown
+from .init_from import load_initial_weights
 from .optim import apply_hyperparameters, build_optimizer, build_scheduler
 from .parallel import apply_parallelism, gradient_sync, resolve_mode, uncompiled, unwrap
 from .resume_rules import config_changes, describe, split_changes, with_added_keys
@@ -168,7 +169,10 @@ class Trainer:
             cfg.data, self.tokenizer, t.seq_len, t.batch_size, t.eval_batches, t.seed, info.rank, info.world_size))
         self.data.train.pin_for(info.device)
         check_dense_backend(cfg.model, info.device, torch.bfloat16 if self.bf16 else torch.float32)
-        model = Transformer(cfg.model).to(info.device)
+        model = Transformer(cfg.model)
+        if cfg.model.init_from:
+            load_initial_weights(cfg.model.init_from, model)
+        model = model.to(info.device)
         self.n_params = model.num_parameters()
         self.model = apply_parallelism(model, self.parallel, info, self.mode, self.bf16)
         self.optimizer = build_optimizer(self.model, t, info.device)
