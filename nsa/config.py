@@ -69,6 +69,8 @@ class RunConfig:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
         if not 0 <= t.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        if not 0 < t.decay_fraction <= 1:
+            raise ConfigError(f"train.decay_fraction must be in (0, 1], got {t.decay_fraction}")
         if t.weight_decay < 0:
             raise ConfigError(f"train.weight_decay must be >= 0, got {t.weight_decay}")
         if t.grad_clip < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
@@ -11,6 +12,17 @@ class TelemetryConfig:
 
     tensorboard: bool = True
     """Write TensorBoard scalars to <run dir>/tb (rank 0): `tensorboard --logdir runs`."""
+    wandb: bool = False
+    """Also log to Weights & Biases (rank 0), beside TensorBoard: the same scalars under the same names and
+    steps, and the run's config. Needs `pip install -e ".[wandb]"`. The W&B run id is kept in <run dir>/wandb_id,
+    so a resumed run continues the same W&B run."""
+    wandb_project: str = "nsa"
+    """W&B project that receives the run."""
+    wandb_run_name: str = ""
+    """W&B display name of the run; empty uses the run folder's name."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """'online' streams to the W&B server (log in first: `wandb login`); 'offline' writes under <run dir>/wandb
+    for a later `wandb sync`; 'disabled' makes every W&B call a no-op."""
     health_every: int = 50
     """NSA health statistics (gates per branch, selection reach) every this many steps (on the logging step at or
     after it, and at the first and last step), into nsa_stats.jsonl; 0 disables. Each costs one no-grad forward

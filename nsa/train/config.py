@@ -27,10 +27,20 @@ class TrainConfig:
     """Peak learning rate of AdamW. The default suits the tiny model; too high a rate closes NSA's gates (all three
     branches of a layer near 0, switching its attention off), which the gate-collapse warning reports. Larger
     models want less (configs/m7c.yaml: 2e-4)."""
+    schedule: Literal["cosine", "linear", "wsd"] = "cosine"
+    """Learning-rate schedule after the warmup, a function of the step alone (so a resumed run continues it
+    exactly): 'cosine' follows a half cosine from lr to lr * min_lr_ratio at train.steps; 'linear' falls in a
+    straight line to the same floor; 'wsd' (warmup-stable-decay) holds lr, then over the last
+    train.decay_fraction of the steps falls to the floor along 1 - sqrt(progress) (the 1-sqrt cooldown). A
+    changed schedule on resume is applied from the resumed step: resuming a constant 'wsd' run with a larger
+    train.steps extends it, and its decay then spans the last train.decay_fraction of the new length."""
+    decay_fraction: float = 0.2
+    """train.schedule=wsd: the share of train.steps, at the end, over which the rate decays to the floor
+    (in (0, 1]; the decay starts after the warmup)."""
     min_lr_ratio: float = 0.1
-    """The cosine schedule ends at lr * min_lr_ratio."""
+    """Every schedule ends at lr * min_lr_ratio at train.steps."""
     warmup_steps: int = 40
-    """Steps of linear warmup from 0 to lr before the cosine decay."""
+    """Steps of linear warmup from 0 to lr before the schedule's decay (or, under 'wsd', its stable phase)."""
     weight_decay: float = 0.01
     """AdamW weight decay, applied to matrices and embeddings only (not norms)."""
     betas: tuple[float, float] = (0.9, 0.95)

@@ -34,6 +34,7 @@ from ..model.attention import check_dense_backend
 from ..telemetry import health
 from ..telemetry.gate_watch import GateWatch
 from ..telemetry.run_log import RunLog
+from ..telemetry.wandb_run import require_wandb
 from ..telemetry.watchdog import Watchdog
 from ..storage import write_error
 from ..typed_config import to_dict
@@ -163,6 +164,8 @@ class Trainer:
         use_deterministic_algorithms(t.deterministic)
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         self.tokenizer = _agreed_across_ranks(info, lambda: get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path))
+        if cfg.telemetry.wandb:  # before any work; only rank 0 logs, so only it needs the package
+            _agreed_across_ranks(info, lambda: require_wandb() if info.is_main else None)
         self.cfg = cfg = resolve_vocab(cfg, self.tokenizer)
         check_same_config(to_dict(cfg), info)
         self.data: Data = _agreed_across_ranks(info, lambda: build_data(
@@ -389,8 +392,11 @@ class Trainer:
     def _open_log(self, resumed: Path | None) -> None:
         info, tel = self.info, self.cfg.telemetry
         try:
-            self.log = RunLog(self.run_dir, info.rank, info.is_main, to_dict(self.cfg), info.world_size, self.step,
-                              tel.tensorboard)
+            wandb = (dict(project=tel.wandb_project, name=tel.wandb_run_name, mode=tel.wandb_mode)
+                     if tel.wandb else None)
+            self.log = _agreed_across_ranks(info, lambda: RunLog(
+                self.run_dir, info.rank, info.is_main, to_dict(self.cfg), info.world_size, self.step, tel.tensorboard,
+                wandb))
             self.watchdog = Watchdog(self.run_dir, info.rank, tel.stall_timeout_s, self.log.heartbeat)
         except OSError as e:
             raise write_error(e, e.filename or self.run_dir, "choose a writable train.out_dir") from None
