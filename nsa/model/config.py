@@ -77,6 +77,10 @@ class ModelConfig:
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    init_from: str = ""
+    """A Hugging Face folder written by `nsa export --format hf` whose weights a new run starts from instead of
+    the random initialisation ('' = none). Its shapes must be this model's (set the model keys to its config.json's);
+    a resumed run keeps its checkpoint's weights."""
     nsa: NSAParams = field(default_factory=lambda: NSAParams(
         block_len=16, block_stride=8, sel_block=32, n_sel=4, window=64, phi_hidden=64, gate_hidden=32
     ))

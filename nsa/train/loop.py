@@ -29,6 +29,7 @@ from ..data.loader import Batch, Data, build_data, split_batch
 from ..data.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
 from ..errors import Interrupted, UserError
 from ..inference.generate import generate_text
+from ..hf.folder import load_exported_weights
 from ..model import Transformer
 from ..model.attention import check_dense_backend
 from ..telemetry import health
@@ -169,6 +170,8 @@ class Trainer:
         self.data.train.pin_for(info.device)
         check_dense_backend(cfg.model, info.device, torch.bfloat16 if self.bf16 else torch.float32)
         model = Transformer(cfg.model).to(info.device)
+        if cfg.model.init_from:
+            load_exported_weights(model, cfg.model.init_from)
         self.n_params = model.num_parameters()
         self.model = apply_parallelism(model, self.parallel, info, self.mode, self.bf16)
         self.optimizer = build_optimizer(self.model, t, info.device)

@@ -21,6 +21,7 @@ _APPLIED_EXCEPTIONS = (
     "model.dense_backend",  # which kernel computes dense attention, not what it computes
     "model.nsa.backend",
     "model.init_std",  # used only to initialise weights, which the checkpoint replaces
+    "model.init_from",  # likewise
     "data.prefetch",
     "data.first_batch_timeout_s",
     "data.retrieval.mix_lengths",  # the batch shape of a length curriculum, like train.seq_len
