@@ -55,7 +55,8 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     """Write tokenizer.json and tokenizer_config.json for `tokenizer` into the folder `out`."""
     from transformers import PreTrainedTokenizerFast
 
-    eot = backend_tokenizer(tokenizer).id_to_token(tokenizer.eot_id)
-    fast = PreTrainedTokenizerFast(tokenizer_object=backend_tokenizer(tokenizer), eos_token=eot, bos_token=eot,
+    backend = backend_tokenizer(tokenizer)
+    eot = backend.id_to_token(tokenizer.eot_id)
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eot, bos_token=eot,
                                    unk_token=None, clean_up_tokenization_spaces=False)
     fast.save_pretrained(str(out))
