@@ -2,6 +2,11 @@
 
 __version__ = "0.1.0"
 
+from .hf import register_when_imported
+
+# NSAConfig / NSAForCausalLM join transformers' Auto classes once transformers is imported (if it is installed).
+register_when_imported()
+
 
 def __getattr__(name):
     # Lazy so that `import nsa` (e.g. for the CLI's --help) does not pay for torch.

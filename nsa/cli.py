@@ -71,6 +71,11 @@ def _cmd_prepare(ns: argparse.Namespace) -> int:
 
 
 def _cmd_export(ns: argparse.Namespace) -> int:
+    if ns.format == "hf":
+        from .hf.export import export_hf
+
+        print(f"wrote {export_hf(ns.checkpoint, ns.out)} (a Hugging Face model folder)")
+        return 0
     from .train.checkpoint import export_safetensors
 
     print(f"wrote {export_safetensors(ns.checkpoint, ns.out)}")
@@ -219,9 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-documents", type=int, default=0, help="stop after this many documents (0: all)")
     p.set_defaults(func=_cmd_prepare)
 
-    p = sub.add_parser("export", help="consolidate a checkpoint's weights into one safetensors file")
+    p = sub.add_parser("export", help="consolidate a checkpoint's weights into one safetensors file, or write a "
+                       "Hugging Face model folder (--format hf)")
     p.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
-    p.add_argument("out", help="output .safetensors path")
+    p.add_argument("out", help="output .safetensors path (--format safetensors) or folder (--format hf)")
+    p.add_argument("--format", choices=["safetensors", "hf"], default="safetensors",
+                   help="safetensors: the weights in one file; hf: config.json, model.safetensors, "
+                        "generation_config.json and tokenizer files for transformers (a dense model as "
+                        "LlamaForCausalLM, docs/interop.md; needs pip install \"nsa[hf]\")")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser(
@@ -246,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "together (one packed prefill, then one decode step for all a token) and printed when done, each prompt "
         "and its continuation, a blank line between them.",
     )
-    p.add_argument("checkpoint", help="a checkpoint folder or a run folder (its latest checkpoint)")
+    p.add_argument("checkpoint", help="a checkpoint folder, a run folder (its latest checkpoint) or a folder written "
+                   "by nsa export --format hf")
     p.add_argument("--prompt", action="append", default=None,
                    help="text to continue (empty: start from end-of-text); repeat for several")
     p.add_argument("--max-new-tokens", type=int, default=None,
@@ -283,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
         "eval.csv, eval.json and retrieval_<task>.png (heatmaps) and prints the tables. A length that runs out "
         "of memory is reported as skipped.",
     )
-    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a checkpoint folder or a run folder")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a checkpoint folder, a run folder or a folder "
+                   "written by nsa export --format hf")
     p.add_argument("overrides", nargs="*", metavar="data.key=value", help="overrides of the run's data section")
     p.add_argument("--lengths", default=EVAL_LENGTHS, help=f"comma-separated context lengths in tokens "
                    f"(default {EVAL_LENGTHS})")

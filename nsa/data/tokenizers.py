@@ -70,7 +70,9 @@ class GPT2Tokenizer:
             from tiktoken_ext.openai_public import r50k_pat_str
         except ImportError:
             raise UserError("the gpt2 tokenizer needs tiktoken: pip install tiktoken") from None
-        ranks = tiktoken.load.load_tiktoken_bpe(str(_gpt2_ranks_file(path)))
+        self.ranks_file = _gpt2_ranks_file(path)
+        """The GPT-2 ranks file the vocabulary was read from."""
+        ranks = tiktoken.load.load_tiktoken_bpe(str(self.ranks_file))
         self._enc = tiktoken.Encoding(
             name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256}
         )
@@ -97,18 +99,19 @@ class HFTokenizer:
             from tokenizers import Tokenizer as HFTok
         except ImportError:
             raise UserError("the hf tokenizer needs the tokenizers package: pip install tokenizers") from None
-        self._tok = HFTok.from_file(path)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eot = next((self._tok.token_to_id(t) for t in self._EOT_NAMES if self._tok.token_to_id(t) is not None), None)
+        self.backend = HFTok.from_file(path)
+        """The tokenizers-library tokenizer read from the file."""
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+        eot = next((self.backend.token_to_id(t) for t in self._EOT_NAMES if self.backend.token_to_id(t) is not None), None)
         if eot is None:
             raise UserError(f"tokenizer '{path}' has no end-of-text token (looked for {', '.join(self._EOT_NAMES)})")
         self.eot_id = eot
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        return np.asarray(self.backend.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids])
+        return self.backend.decode([int(i) for i in ids])
 
 
 def get_tokenizer(name: str, path: str = "") -> Tokenizer:

@@ -121,6 +121,7 @@ def run_dir_of(checkpoint_path: Path) -> Path:
 
 def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     """Measure, write eval.csv / eval.json / retrieval_<task>.png, print the tables; returns what was written."""
+    from ..hf.folder import is_hf_folder, read_hf_run
     from ..inference.generate import load_for_inference
     from ..train import checkpoint
 
@@ -129,15 +130,19 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
         raise UserError(f"'{target}' does not exist: give a run folder (runs/<name>) or a checkpoint folder")
     if opts.samples < 1 or opts.val_batches < 0 or opts.batch_tokens < 1:
         raise UserError("--samples and --batch-tokens must be >= 1, --val-batches >= 0")
-    path = checkpoint.resolve(target)
-    meta = checkpoint.read_meta(path)
-    cfg = _run_config(meta["config"], opts.data_overrides)
+    if is_hf_folder(target):  # an exported model: its own folder stands for the run
+        path, run_dir = target, target
+        _, config, step = read_hf_run(target)
+    else:
+        path = checkpoint.resolve(target)
+        meta = checkpoint.read_meta(path)
+        config, step, run_dir = meta["config"], int(meta["step"]), run_dir_of(path)
+    cfg = _run_config(config, opts.data_overrides)
     loaded = load_for_inference(path, opts.device)
     model, device = loaded.model, next(loaded.model.parameters()).device
-    out = Path(opts.out) if opts.out is not None else run_dir_of(path) / "eval"
+    out = Path(opts.out) if opts.out is not None else run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    name = run_dir_of(path).name
-    step = int(meta["step"])
+    name = run_dir.name
     print(f"nsa eval: {name} step {step}, {cfg.model.attention} model "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, trained at "
           f"{cfg.train.seq_len} tokens) on {_device_name(device)}")

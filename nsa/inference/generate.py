@@ -48,14 +48,20 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_for_inference(checkpoint_path: str | Path, device: str | torch.device = "auto") -> LoadedModel:
-    """The model (eval mode, on `device`) and tokenizer of a checkpoint folder or a run folder's latest checkpoint."""
+    """The model (eval mode, on `device`) and tokenizer of a checkpoint folder, a run folder's latest checkpoint or
+    a Hugging Face folder written by `nsa export --format hf` (its tokenizer.json as the tokenizer)."""
     from ..data.tokenizers import get_tokenizer
+    from ..hf.folder import is_hf_folder, load_hf_folder
     from ..model import Transformer
     from ..model.config import ModelConfig
     from ..train import checkpoint
     from ..typed_config import from_dict
 
     device = resolve_device(device) if isinstance(device, str) else device
+    if is_hf_folder(checkpoint_path):
+        model, config = load_hf_folder(checkpoint_path)
+        tokenizer = get_tokenizer(config["data"]["tokenizer"], config["data"]["tokenizer_path"])
+        return LoadedModel(model.to(device).eval(), tokenizer, config, Path(checkpoint_path))
     path = checkpoint.resolve(checkpoint_path)
     config = checkpoint.read_meta(path)["config"]
     # A pinned dense kernel is the training machine's choice, not the model's: it may not exist where this runs.

@@ -78,9 +78,10 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     init_from: str = ""
-    """A checkpoint folder (or a run folder: its latest checkpoint) whose weights the model starts from before step 1,
-    e.g. the output of `nsa convert`; every tensor's shape must match this config's. Empty: a fresh initialisation.
-    A resumed run takes its weights from the checkpoint it resumes."""
+    """Weights a new run starts from instead of the random initialisation ('' = none): a checkpoint folder (or a
+    run folder: its latest checkpoint), e.g. the output of `nsa convert`, or a Hugging Face folder written by
+    `nsa export --format hf`. Every tensor's shape must match this config's. A resumed run takes its weights
+    from the checkpoint it resumes."""
     nsa: NSAParams = field(default_factory=lambda: NSAParams(
         block_len=16, block_stride=8, sel_block=32, n_sel=4, window=64, phi_hidden=64, gate_hidden=32
     ))

@@ -1,4 +1,5 @@
-"""model.init_from: start a run from the weights of a checkpoint folder (e.g. one `nsa convert` wrote)."""
+"""model.init_from: start a run from the weights of a checkpoint folder (e.g. one `nsa convert` wrote) or of a
+Hugging Face folder (`nsa export --format hf`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ from . import checkpoint
 
 
 def load_initial_weights(source: str | Path, model: nn.Module) -> Path:
-    """Load the weights of checkpoint folder (or run folder) `source` into the unwrapped `model`, after checking
-    that every tensor is there with the model's shape. Returns the checkpoint folder."""
+    """Load the weights of checkpoint folder (or run folder, or exported Hugging Face folder) `source` into the
+    unwrapped `model`, after checking that every tensor is there with the model's shape. Returns the folder."""
+    from ..hf.folder import is_hf_folder, load_exported_weights
+
+    if is_hf_folder(source):
+        load_exported_weights(model, source)
+        return Path(source)
     path = checkpoint.resolve(source)
     checkpoint.verify(path)
     saved = {name.removeprefix("model."): meta.size
