@@ -20,7 +20,12 @@ def load_initial_weights(source: str | Path, model: nn.Module) -> Path:
     if is_hf_folder(source):
         load_exported_weights(model, source)
         return Path(source)
-    path = checkpoint.resolve(source)
+    try:
+        path = checkpoint.resolve(source)
+    except UserError as error:
+        raise UserError(f"model.init_from={source} is neither a checkpoint or run folder nor a Hugging Face model "
+                        f"folder ({error}); give one written by nsa train, nsa convert or nsa export --format hf"
+                        ) from None
     checkpoint.verify(path)
     saved = {name.removeprefix("model."): meta.size
              for name, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()

@@ -160,7 +160,7 @@ def test_init_from_of_another_shape_is_one_line(runs, tmp_path):
         train(cfg)
     cfg = load_config(None, RUN + [f"model.init_from={tmp_path / 'none'}", f"train.out_dir={tmp_path}",
                                    "train.run_name=y"])
-    with pytest.raises(UserError, match="is not a Hugging Face model folder"):
+    with pytest.raises(UserError, match="is neither a checkpoint or run folder nor a Hugging Face model folder"):
         train(cfg)
 
 
