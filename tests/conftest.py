@@ -9,3 +9,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, one intra-op thread per worker: the workers already fill the cores, and more threads
+    than cores slow the many small operations of the tests down."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
