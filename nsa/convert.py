@@ -24,6 +24,7 @@ import torch
 
 from .config import RunConfig
 from .errors import UserError
+from .hf.weights import hf_to_nsa
 from .model import ModelConfig, NSAParams, Transformer
 from .typed_config import apply_overrides, to_dict
 
@@ -117,35 +118,23 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def nsa_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The NSA Transformer's weights (every key but phi's and the gates') from the dense Llama ones."""
+    """The NSA Transformer's weights (every key but phi's and the gates') from the dense Llama ones: the dense
+    model's own mapping (nsa.hf.weights), with the dense keys and values copied into every branch's set."""
+    dense_cfg = dataclasses.replace(cfg, attention="dense")
+    state = hf_to_nsa(weights, dense_cfg)
+    with torch.device("meta"):  # the names alone: no memory for a second model
+        names = list(Transformer(dense_cfg).state_dict())
+    for name in names:
+        if name not in state:
+            raise UserError(f"the safetensors weights lack the Llama weights of '{name}'; give the weights of a "
+                            "LlamaForCausalLM")
     n_sets = 1 if cfg.nsa.shared_kv else 3
-    take = _taker(weights)
-    out = {"tok_emb.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     for i in range(cfg.n_layers):
-        hf, nsa = f"model.layers.{i}.", f"layers.{i}."
-        k, v = take(hf + "self_attn.k_proj.weight"), take(hf + "self_attn.v_proj.weight")
-        # wkv's rows are [set, key|value, kv head, head dim]: the dense keys and values in every branch's set.
-        kv = torch.stack((k, v)).view(1, 2, cfg.n_kv_heads * cfg.head_dim, cfg.dim).expand(n_sets, -1, -1, -1)
-        out |= {
-            nsa + "attn_norm.weight": take(hf + "input_layernorm.weight"),
-            nsa + "attn.wq.weight": take(hf + "self_attn.q_proj.weight"),
-            nsa + "attn.wkv.weight": kv.reshape(-1, cfg.dim),
-            nsa + "attn.wo.weight": take(hf + "self_attn.o_proj.weight"),
-            nsa + "mlp_norm.weight": take(hf + "post_attention_layernorm.weight"),
-            nsa + "mlp.w_gate_up.weight": torch.cat((take(hf + "mlp.gate_proj.weight"),
-                                                      take(hf + "mlp.up_proj.weight"))),
-            nsa + "mlp.w_down.weight": take(hf + "mlp.down_proj.weight"),
-        }
-    return out
-
-
-def _taker(weights: dict[str, torch.Tensor]):
-    def take(name: str) -> torch.Tensor:
-        if name not in weights:
-            raise UserError(f"the safetensors weights lack '{name}'; give the weights of a LlamaForCausalLM")
-        return weights[name]
-
-    return take
+        # wkv's rows are [set, key|value, kv head, head dim]; the dense wkv is one set.
+        name = f"layers.{i}.attn.wkv.weight"
+        state[name] = state[name].unsqueeze(0).expand(n_sets, -1, -1).reshape(-1, cfg.dim)
+    state.pop("lm_head.weight", None)  # tied to tok_emb
+    return state
 
 
 def converted_model(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> Transformer:

@@ -42,13 +42,7 @@ def _compressed_and_choice(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, geometry: NS
                            layout: PackedLayout | None):
     """The compressed branch's output and lse, and the chosen blocks."""
     o_cmp, lse_cmp = dispatch.span_forward(q, k_cmp, v_cmp, MODE_CMP, scale, geometry, layout=layout)
-    return o_cmp, lse_cmp, _choice(q, k_cmp, lse_cmp, scale, geometry, layout)
-
-
-def _choice(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, scale: float, geometry: NSAGeometry,
-            layout: PackedLayout | None) -> Tensor:
-    """The chosen blocks (document-relative with a layout)."""
-    return select_blocks_fwd(q, k_cmp, lse_cmp, scale, geometry, layout=layout)
+    return o_cmp, lse_cmp, select_blocks_fwd(q, k_cmp, lse_cmp, scale, geometry, layout)
 
 
 @torch.library.custom_op("nsa::forward", mutates_args=())
@@ -189,4 +183,4 @@ def select_blocks_kernels(q: Tensor, k_cmp: Tensor, geometry: NSAGeometry, scale
     layout = _layout(cu_seqlens, geometry, q, k_cmp)
     # The compressed branch's log-sum-exp normalises p_cmp; its values output is not needed here.
     _, lse = dispatch.span_forward(q, k_cmp, k_cmp, MODE_CMP, float(scale), geometry, layout=layout)
-    return _choice(q, k_cmp, lse, float(scale), geometry, layout)
+    return select_blocks_fwd(q, k_cmp, lse, float(scale), geometry, layout)

@@ -180,3 +180,17 @@ def test_nsa_train_starts_from_the_converted_weights_through_its_train_yaml(conv
     start = load_for_inference(converted, "cpu").model
     for name, weight in start.state_dict().items():
         torch.testing.assert_close(trained.state_dict()[name], weight, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_weights_missing_from_the_dense_folder_are_named_in_one_line(dense, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = dense
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(UserError, match=r"lack the Llama weights of 'layers.1.attn.wkv.weight'"):
+        convert(broken, tmp_path / "out", WINDOW)
