@@ -419,11 +419,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     positional list at the first flag, and would refuse `nsa bench train --steps 6 parallel.mode=ddp`)."""
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
-    stray = [a for a in extra if a.startswith("-") or not hasattr(ns, "args")]
+    # The command's trailing list: CONFIG and key=value (`args`), or key=value alone (`overrides`).
+    trailing = next((name for name in ("args", "overrides") if hasattr(ns, name)), None)
+    stray = [a for a in extra if a.startswith("-") or trailing is None]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
-        ns.args = [*ns.args, *extra]
+        setattr(ns, trailing, [*getattr(ns, trailing), *extra])
     return ns
 
 

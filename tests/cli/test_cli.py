@@ -12,6 +12,13 @@ def test_overrides_may_follow_the_flags():
     assert (ns.steps, ns.warmup) == (2, 1)
 
 
+def test_eval_and_convert_overrides_may_follow_the_flags():
+    ns = parse_args(["eval", "runs/x", "--tasks", "none", "data.source=embedded", "--samples", "4", "data.seed=2"])
+    assert ns.overrides == ["data.source=embedded", "data.seed=2"] and (ns.tasks, ns.samples) == ("none", 4)
+    ns = parse_args(["convert", "in", "out", "model.nsa.window=64"])
+    assert ns.overrides == ["model.nsa.window=64"]
+
+
 def test_unknown_flags_are_still_refused(capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["bench", "train", "--stepz", "2"])

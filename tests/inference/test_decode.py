@@ -582,3 +582,23 @@ def test_a_checkpoint_trained_with_a_pinned_dense_kernel_generates_where_that_ke
     loaded = load_for_inference(tmp_path / "d", "cpu")
     assert loaded.model.layers[0].attn.backend == "auto"
     assert torch.isfinite(loaded.model(torch.arange(10)[None])).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton decode path at real shapes needs a GPU")
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_packed_prompts_decode_like_each_alone_on_the_gpu_in_bf16(attention):
+    """The GPU path (Triton kernels, bf16, the M7C block geometry): one packed prefill of prompts from 1 token to
+    past several selection blocks, then steps, gives each sequence's logits as its own cached decode alone."""
+    cfg = ModelConfig(attention=attention, vocab_size=256, dim=256, n_layers=2, n_heads=12, n_kv_heads=2,
+                      head_dim=64, mlp_hidden=512,
+                      nsa=NSAParams(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512))
+    torch.manual_seed(0)
+    model = Transformer(cfg).cuda().to(torch.bfloat16).eval()
+    lengths, steps = [1, 31, 700, 2049, 1500], 24
+    seqs = torch.randint(0, 256, (len(lengths), max(lengths) + steps), device="cuda",
+                         generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        got, _ = packed_then_decoded(model, seqs, lengths, steps)
+        for b, n in enumerate(lengths):
+            alone, _ = decode_logits(model, seqs[b: b + 1, : n + steps], n)
+            torch.testing.assert_close(got[b].float(), alone[0].float(), rtol=3e-2, atol=6e-2)
