@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.attention import gates_from_logits
+
 
 @dataclass
 class FusedWeights:
@@ -61,7 +63,7 @@ def gates_from(fused: FusedWeights, gate: nn.Module, h: torch.Tensor) -> torch.T
     if fused.gate_out is None:
         return gate.finish(h)
     logits = (F.silu(h.to(fused.gate_out.dtype))[..., :, None] * fused.gate_out).sum(-2)
-    return torch.sigmoid(logits).view(*h.shape[:-1], gate.n_heads, -1)
+    return gates_from_logits(logits.view(*h.shape[:-1], gate.n_heads, -1), gate.kind)
 
 
 def compress_pair(fused: FusedWeights, blocks: torch.Tensor) -> torch.Tensor:

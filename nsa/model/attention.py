@@ -21,15 +21,21 @@ from .rope import apply_rope
 BRANCHES = ("cmp", "sel", "win")
 
 
+def gates_from_logits(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """Gates [..., 3] from the gate MLP's logits [..., 3] (cmp, sel, win): each branch's sigmoid, or a softmax over
+    the branches (shares summing to 1, so the layer's attention cannot be switched off)."""
+    return torch.sigmoid(logits) if kind == "sigmoid" else torch.softmax(logits, dim=-1)
+
+
 class GateMLP(nn.Module):
-    """g[t, h, c] = sigmoid(MLP(x_t)): one gate per head and branch, in (cmp, sel, win) order.
+    """g[t, h, c] = sigmoid(MLP(x_t)) (or a softmax over c): one gate per head and branch, in (cmp, sel, win) order.
 
     hidden=0 makes the MLP a single linear map (as in fla-core's NSA layer).
     """
 
-    def __init__(self, dim: int, hidden: int, n_heads: int):
+    def __init__(self, dim: int, hidden: int, n_heads: int, kind: str = "sigmoid"):
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.kind = n_heads, kind
         self.fc1 = nn.Linear(dim, hidden, bias=False) if hidden else None
         self.fc2 = nn.Linear(hidden or dim, n_heads * len(BRANCHES), bias=False)
 
@@ -45,7 +51,7 @@ class GateMLP(nn.Module):
         """Gates [..., n_heads, 3] from h = first_layer(x)."""
         logits = self.fc2(F.silu(h)) if self.fc1 is not None else h
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return torch.sigmoid(logits).view(*h.shape[:-1], self.n_heads, len(BRANCHES))
+        return gates_from_logits(logits.view(*h.shape[:-1], self.n_heads, len(BRANCHES)), self.kind)
 
 
 class NSAAttention(nn.Module):
@@ -71,7 +77,7 @@ class NSAAttention(nn.Module):
                                          nsa.backend)
         self.compress_v = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden,
                                          nsa.backend)
-        self.gate = GateMLP(cfg.dim, nsa.gate_hidden, cfg.n_heads)
+        self.gate = GateMLP(cfg.dim, nsa.gate_hidden, cfg.n_heads, nsa.gate)
 
     @property
     def input_layers(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:

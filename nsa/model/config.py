@@ -30,7 +30,9 @@ class NSAParams:
     phi_hidden: int = 128
     """Hidden width of the compression MLP (phi='mlp')."""
     gate_hidden: int = 64
-    """Hidden width of the gate MLP that produces one sigmoid gate per head and branch; 0 makes it one linear layer."""
+    """Hidden width of the gate MLP that produces one gate per head and branch; 0 makes it one linear layer."""
+    gate: Literal["sigmoid", "softmax"] = "sigmoid"
+    """How the gate MLP's three logits per head become gates: 'sigmoid' (the paper's), each in (0, 1) on its own, so a layer can switch its attention off; 'softmax' over the three branches, shares that sum to 1."""
     shared_kv: bool = False
     """Share one key/value projection across the three branches (the paper uses separate ones)."""
     backend: Literal["auto", "reference", "triton"] = "auto"

@@ -82,6 +82,7 @@ def full_forward_layers(model, tokens):
         ("nsa", 37, {"shared_kv": True}),
         ("nsa", 13, {"phi": "mean"}),
         ("nsa", 13, {"gate_hidden": 0}),
+        ("nsa", 13, {"gate": "softmax"}),
         ("dense", 1, {}),
         ("dense", 29, {}),
     ],

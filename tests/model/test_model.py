@@ -162,3 +162,16 @@ def test_a_pinned_dense_kernel_runs_on_the_gpu_forward_and_backward(backend, op)
         model(tokens[:, :-1], tokens[:, 1:]).backward()
     assert op in {e.name for e in prof.events()}
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_softmax_gates_are_shares_of_the_same_logits_and_sigmoid_gates_are_not():
+    from nsa.model.attention import GateMLP
+    torch.manual_seed(0)
+    sigmoid, softmax = GateMLP(16, 8, 4, "sigmoid"), GateMLP(16, 8, 4, "softmax")
+    softmax.load_state_dict(sigmoid.state_dict())
+    x = torch.randn(2, 5, 16)
+    g_sig, g_soft = sigmoid(x), softmax(x)  # [2,5,4,3]
+    torch.testing.assert_close(g_soft.sum(-1), torch.ones(2, 5, 4))
+    assert not torch.allclose(g_sig.sum(-1), torch.ones(2, 5, 4), atol=1e-2)
+    logits = torch.log(g_sig / (1 - g_sig))  # the same logits, recovered from the sigmoid
+    torch.testing.assert_close(g_soft, torch.softmax(logits, -1), rtol=1e-5, atol=1e-6)
