@@ -289,10 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
         "eval",
         help="validation loss, perplexity and long-context retrieval accuracy of a checkpoint",
         description="Loads CHECKPOINT_OR_RUN (a checkpoint folder, or a run folder: its latest checkpoint), measures "
-        "the validation loss on the run's own data (overrides: data.key=value), then the exact-match accuracy of "
-        "the passkey and key-value retrieval tasks over a grid of context lengths and needle depths. Writes "
-        "eval.csv, eval.json and retrieval_<task>.png (heatmaps) and prints the tables. A length that runs out "
-        "of memory is reported as skipped.",
+        "the validation loss on the run's own data (overrides: data.key=value), then the exact-match accuracy "
+        "(with its 95% interval) of the passkey and key-value retrieval tasks over a grid of context lengths and "
+        "needle depths. Writes eval.csv, eval.json and retrieval_<task>.png (heatmaps) and prints the tables. A "
+        "length that runs out of memory is reported as skipped.",
     )
     p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN", help="a checkpoint folder, a run folder or a folder "
                    "written by nsa export --format hf")
@@ -301,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default {EVAL_LENGTHS})")
     p.add_argument("--depths", default=EVAL_DEPTHS, help="comma-separated needle depths in [0, 1] "
                    "(0: the start of the context; default 0,0.1,...,1)")
-    p.add_argument("--samples", type=int, default=8, help="examples per (task, length, depth) cell")
+    p.add_argument("--samples", type=int, default=32, help="examples per (task, length, depth) cell; each "
+                   "accuracy comes with its 95%% interval over them (default 32)")
     p.add_argument("--tasks", default="passkey,kv", help="comma-separated: passkey, kv (none: validation only)")
     p.add_argument("--val-batches", type=int, default=8, help="validation batches of the run's batch size and "
                    "sequence length (0: skip the validation loss)")
@@ -317,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare runs: loss curves, final validation losses, retrieval heatmaps, NSA gate statistics",
         description="Reads each RUN_DIR's metrics.csv, eval/eval.csv (from nsa eval) and nsa_stats.jsonl and writes "
         "compare.md with loss.png (train and validation loss against tokens seen), retrieval_<task>.png (the "
-        "runs' heatmaps side by side) and gates.png (each NSA run's gate means at the end of training).",
+        "runs' heatmaps side by side) and gates.png (each NSA run's gate means at the end of training). Runs of "
+        "one attention kind (several train.seed values, reruns of one seed) are summarised by the mean, min, max "
+        "and spread over them of the validation loss and of the exact match per task and length: printed, and "
+        "written to compare.csv and compare.json.",
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders, e.g. runs/learn-nsa runs/learn-dense")
     p.add_argument("--out", required=True, help="output folder")

@@ -1,17 +1,20 @@
 """`nsa compare`: several runs side by side, the evidence that NSA learns.
 
 - loss.png: training and validation loss of every run against tokens seen;
-- the final validation losses, their mean and spread per attention kind (runs of several train.seed values),
-  and the margin between NSA and dense;
-- retrieval_<task>.png: each run's `nsa eval` heatmap side by side (runs that have eval/eval.csv);
+- the final validation losses, their distribution per attention kind (mean, min, max over its runs: several
+  train.seed values, and reruns of one seed), and the margin between NSA and dense;
+- retrieval_<task>.png: each run's `nsa eval` heatmap side by side (runs that have eval/eval.csv), and per task
+  and length the distribution of the runs' exact match per attention kind;
+- compare.csv and compare.json: those distributions (and compare.json each run's values);
 - gates.png and a table: each NSA run's gate means per branch at its last nsa_stats.jsonl record, averaged
   over layers and per layer, whether all three branches are used, and the selection statistics.
 """
 
 from __future__ import annotations
 
+import csv
+import json
 import math
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ from ..plots.retrieval import plot_grids
 from ..telemetry.report import gate_warnings, human_count
 from ..telemetry.run_files import BRANCH_NAMES, RunData, column, layer_series, load_run
 from .grid import Grid, length_label
+from .intervals import wilson_interval
+from .spread import Spread, spreads_by_kind
 
 USED_GATE = 0.05
 """A branch counts as used when its gate mean, averaged over layers, is at least this (sigmoid gates start
@@ -175,6 +180,59 @@ def retrieval_grids(runs: list[RunSummary]) -> dict[str, list[Grid]]:
     return out
 
 
+# ------------------------------------------------------------------------------------ distributions
+
+
+@dataclass
+class Aggregates:
+    """What the runs give per attention kind: compare.md, compare.csv and compare.json state these."""
+
+    val_at: float | None
+    """Tokens seen at which the validation losses are compared: the last validation every run reached, when
+    the runs stopped at different token counts; None compares each run's final validation loss."""
+    val_loss: dict[str, float]
+    """Run name -> its validation loss compared (runs that logged one)."""
+    validation: dict[str, Spread]
+    """Attention kind -> the distribution of its runs' validation loss."""
+    retrieval_by_run: dict[str, dict[str, dict[int, float]]]
+    """Run name -> task -> length -> exact match over all samples of that length (every depth)."""
+    retrieval: dict[str, dict[int, dict[str, Spread]]]
+    """Task -> length -> attention kind -> the distribution of its runs' exact match."""
+
+
+def retrieval_counts(rows: list[dict[str, Any]]) -> dict[str, dict[int, tuple[int, int]]]:
+    """Task -> length -> (correct answers, samples) over every depth of that length in one run's eval rows."""
+    counts: dict[str, dict[int, tuple[int, int]]] = {}
+    for row in rows:
+        by_length = counts.setdefault(row["task"], {})
+        correct, samples = by_length.get(row["length"], (0, 0))
+        by_length[row["length"]] = (correct + row["correct"], samples + row["samples"])
+    return {task: dict(sorted(by_length.items())) for task, by_length in counts.items()}
+
+
+def retrieval_means(rows: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """Task -> length -> the share of correct answers over all samples of that length in one run's eval rows."""
+    return {task: {n: correct / samples for n, (correct, samples) in by_length.items() if samples}
+            for task, by_length in retrieval_counts(rows).items()}
+
+
+def aggregate(runs: list[RunSummary]) -> Aggregates:
+    """The validation loss and exact match of every run, and their distribution per attention kind."""
+    with_val = [r for r in runs if r.final_val is not None]
+    at = _common_tokens(with_val) if len({r.tokens for r in with_val}) > 1 else None
+    val_loss = {r.name: r.val_at(at) if at is not None else r.final_val for r in with_val}
+    val_loss = {name: value for name, value in val_loss.items() if value is not None}
+    validation = spreads_by_kind((r.attention, r.seed, val_loss[r.name]) for r in with_val if r.name in val_loss)
+    by_run = {r.name: retrieval_means(r.eval_rows) for r in runs if r.eval_rows}
+    retrieval: dict[str, dict[int, dict[str, Spread]]] = {}
+    for task in dict.fromkeys(task for means in by_run.values() for task in means):
+        lengths = sorted({n for means in by_run.values() for n in means.get(task, {})})
+        retrieval[task] = {n: spreads_by_kind((r.attention, r.seed, by_run[r.name][task][n]) for r in runs
+                                              if n in by_run.get(r.name, {}).get(task, {}))
+                           for n in lengths}
+    return Aggregates(at, val_loss, validation, by_run, retrieval)
+
+
 # ----------------------------------------------------------------------------------------- the report
 
 
@@ -198,12 +256,16 @@ def render_compare(run_dirs: list[Path], out: Path) -> Path:
     for old in out.glob("*.png"):
         if old.name not in keep:
             old.unlink()
+    agg = aggregate(runs)
+    write_distributions(out, runs, agg)
     report = out / "compare.md"
-    report.write_text(compare_markdown(runs, grids, images), encoding="utf-8")
+    report.write_text(compare_markdown(runs, grids, images, agg), encoding="utf-8")
+    print(printed_distributions(agg))
     return report
 
 
-def compare_markdown(runs: list[RunSummary], grids: dict[str, list[Grid]], images: list[str]) -> str:
+def compare_markdown(runs: list[RunSummary], grids: dict[str, list[Grid]], images: list[str],
+                     agg: Aggregates) -> str:
     parts = [f"# Comparison: {', '.join(r.name for r in runs)}", ""]
     parts += ["| run | attention | seed | steps | tokens seen | final val loss | best val loss | nsa eval: val loss "
               "(perplexity) |", "|---|---|---|---|---|---|---|---|"]
@@ -212,10 +274,10 @@ def compare_markdown(runs: list[RunSummary], grids: dict[str, list[Grid]], image
         parts.append(f"| {r.name} | {r.attention} | {_or_dash(r.seed, grouped=False)} | {_or_dash(r.last_step)} | "
                      f"{human_count(r.tokens) if r.tokens is not None else '-'} | {_number_or_dash(r.final_val)} | {best} | "
                      f"{_eval_validation(r.eval_meta)} |")
-    parts += [""] + _validation_section(runs)
+    parts += [""] + _validation_section(runs, agg)
     if "loss.png" in images:
         parts += ["![](loss.png)", ""]
-    parts += _retrieval_section(runs, grids)
+    parts += _retrieval_section(runs, grids, agg)
     parts += _gate_section(runs, "gates.png" in images)
     return "\n".join(parts).rstrip() + "\n"
 
@@ -228,38 +290,26 @@ def _eval_validation(meta: dict[str, Any]) -> str:
     return f"{val['loss']:.4f} ({val.get('perplexity', math.nan):.3f}) at step {meta.get('step', '?')}"
 
 
-def _validation_section(runs: list[RunSummary]) -> list[str]:
+def _validation_section(runs: list[RunSummary], agg: Aggregates) -> list[str]:
     lines = ["## Validation loss", ""]
     with_val = [r for r in runs if r.final_val is not None]
     if not with_val:
         return lines + ["No run logged a validation loss (train.eval_every=0, or data.val_fraction=0).", ""]
     # Runs cut at different points are compared at the last validation they all reached, when there is one.
-    at = _common_tokens(with_val) if len({r.tokens for r in with_val}) > 1 else None
     if len({r.tokens for r in with_val}) > 1:
         lines += [f"The runs stopped at different token counts; they are compared at the last validation all of "
-                  f"them reached: {human_count(at)} tokens." if at is not None else
+                  f"them reached: {human_count(agg.val_at)} tokens." if agg.val_at is not None else
                   "The runs stopped at different token counts and share no validation point; their final values "
                   "are compared.", ""]
-
-    def value(r: RunSummary) -> float | None:
-        return r.val_at(at) if at is not None else r.final_val
-
-    kinds = list(dict.fromkeys(r.attention for r in with_val))
-    lines += ["| attention | runs | mean val loss | spread between seeds (std; min-max) |", "|---|---|---|---|"]
-    means = {}
-    spreads = {}
-    for kind in kinds:
-        values = [value(r) for r in with_val if r.attention == kind and value(r) is not None]
-        if not values:
-            continue
-        means[kind] = statistics.fmean(values)
-        if len(values) > 1:
-            spreads[kind] = max(values) - min(values)
-            spread = f"{statistics.stdev(values):.4f}; {min(values):.4f}-{max(values):.4f}"
-        else:
-            spread = "one run"
-        lines.append(f"| {kind} | {len(values)} | {means[kind]:.4f} | {spread} |")
+    lines += ["Per attention kind, over all of its runs (train.seed values, and reruns of one seed):", "",
+              "| attention | runs | seeds | mean val loss | min | max | spread (max - min) | std |",
+              "|---|---|---|---|---|---|---|---|"]
+    for kind, s in agg.validation.items():
+        lines.append(f"| {kind} | {s.runs} | {s.seeds} | {s.mean:.4f} | {s.min:.4f} | {s.max:.4f} | "
+                     f"{_spread_or_one_run(s)} | {_number_or_dash(s.std)} |")
     lines.append("")
+    means = {kind: s.mean for kind, s in agg.validation.items()}
+    spreads = {kind: s.spread for kind, s in agg.validation.items() if s.runs > 1}
     if "nsa" in means and "dense" in means:
         margin = means["nsa"] - means["dense"]
         better = "lower (better)" if margin < 0 else "higher (worse)" if margin > 0 else "equal"
@@ -268,9 +318,9 @@ def _validation_section(runs: list[RunSummary]) -> list[str]:
         if spreads:
             widest = max(spreads.values())
             verdict = "larger" if abs(margin) > widest else "not larger"
-            lines.append(f"The margin is {verdict} than the widest spread between seeds of one kind ({widest:.4f}).")
+            lines.append(f"The margin is {verdict} than the widest spread between runs of one kind ({widest:.4f}).")
         else:
-            lines.append("One run per kind: no spread between seeds to compare the margin with.")
+            lines.append("One run per kind: no spread between runs to compare the margin with.")
         lines.append("")
     return lines
 
@@ -282,23 +332,24 @@ def _common_tokens(runs: list[RunSummary]) -> float | None:
     return max(shared) if shared else None
 
 
-def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]]) -> list[str]:
+def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]], agg: Aggregates) -> list[str]:
     lines = ["## Retrieval (exact match, `nsa eval`)", ""]
     missing = [r.name for r in runs if not r.eval_rows]
     if not grids:
         return lines + ["No run has retrieval results in eval/eval.csv (`nsa eval RUN_DIR --tasks passkey,kv`).", ""]
     for task, task_grids in grids.items():
         lengths = task_grids[0].lengths
-        lines += [f"### {task}", "", "Mean accuracy over depths per context length:", "",
+        lines += [f"### {task}", "", "Each run's exact match over all samples of a context length (every depth), "
+                  "with its 95% interval:", "",
                   "| run | " + " | ".join(length_label(n) for n in lengths) + " |",
                   "|---|" + "---|" * len(lengths)]
-        for grid in task_grids:
-            cells = []
-            for j, n in enumerate(lengths):
-                col = grid.acc[:, j]
-                cells.append(f"{np.nanmean(col):.2f}" if np.isfinite(col).any() else grid.skipped.get(n, "-"))
+        measured = [r for r in runs if any(row["task"] == task for row in r.eval_rows)]
+        for r, grid in zip(measured, task_grids):  # retrieval_grids makes one grid per such run, in order
+            counts = retrieval_counts(r.eval_rows)[task]
+            cells = [_rate_with_interval(*counts[n]) if n in counts else grid.skipped.get(n, "-") for n in lengths]
             lines.append(f"| {grid.title} | " + " | ".join(cells) + " |")
         lines += _needle_selected_table(runs, task, lengths)
+        lines += _retrieval_spread_table(agg.retrieval.get(task, {}))
         lines += ["", f"![](retrieval_{task}.png)", ""]
     for r in runs:
         meta = r.eval_meta
@@ -309,6 +360,33 @@ def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]]) -> 
     if missing:
         lines.append(f"- no retrieval results: {', '.join(missing)}")
     return lines + [""]
+
+
+def _retrieval_spread_table(by_length: dict[int, dict[str, Spread]]) -> list[str]:
+    """Per attention kind and length, the distribution of its runs' exact match (each over all samples of a
+    length)."""
+    if not by_length:
+        return []
+    lines = ["", "Per attention kind, over all of its runs (each run's exact match over every sample of a length):",
+             "", "| attention | length | runs | seeds | mean | min | max | spread (max - min) |",
+             "|---|---|---|---|---|---|---|---|"]
+    kinds = list(dict.fromkeys(kind for spreads in by_length.values() for kind in spreads))
+    for kind in kinds:
+        for n, spreads in by_length.items():
+            if kind in spreads:
+                s = spreads[kind]
+                lines.append(f"| {kind} | {length_label(n)} | {s.runs} | {s.seeds} | {s.mean:.2f} | {s.min:.2f} | "
+                             f"{s.max:.2f} | {_spread_or_one_run(s, 2)} |")
+    return lines
+
+
+def _rate_with_interval(correct: int, samples: int) -> str:
+    low, high = wilson_interval(correct, samples)
+    return f"{correct / samples:.2f} ({low:.2f}-{high:.2f})"
+
+
+def _spread_or_one_run(s: Spread, digits: int = 4) -> str:
+    return f"{s.spread:.{digits}f}" if s.runs > 1 else "one run"
 
 
 def _needle_selected_table(runs: list[RunSummary], task: str, lengths: list[int]) -> list[str]:
@@ -324,6 +402,62 @@ def _needle_selected_table(runs: list[RunSummary], task: str, lengths: list[int]
         cells = [f"{by_length[str(n)]:.2f}" if str(n) in by_length else "-" for n in lengths]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+# ------------------------------------------------------------------------------- compare.csv / .json
+
+
+DISTRIBUTION_FIELDS = ["metric", "task", "length", "attention", "runs", "seeds", "mean", "min", "max", "spread", "std"]
+"""compare.csv's columns: one row per metric (val_loss, exact_match), task and length (exact_match only) and
+attention kind."""
+
+
+def distribution_rows(agg: Aggregates) -> list[dict[str, Any]]:
+    rows = [{"metric": "val_loss", "task": "", "length": "", "attention": kind, **s.as_dict()}
+            for kind, s in agg.validation.items()]
+    for task, by_length in agg.retrieval.items():
+        for n, spreads in by_length.items():
+            rows += [{"metric": "exact_match", "task": task, "length": n, "attention": kind, **s.as_dict()}
+                     for kind, s in spreads.items()]
+    return rows
+
+
+def write_distributions(out: Path, runs: list[RunSummary], agg: Aggregates) -> None:
+    """compare.csv (the distributions per attention kind) and compare.json (the same, and every run's values)."""
+    with open(out / "compare.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=DISTRIBUTION_FIELDS)
+        writer.writeheader()
+        for row in distribution_rows(agg):
+            writer.writerow({key: "" if value is None else value for key, value in row.items()})
+    summary = {
+        "runs": [{"name": r.name, "run_dir": str(r.data.run_dir), "attention": r.attention, "seed": r.seed,
+                  "last_step": r.last_step, "tokens": r.tokens, "val_loss": agg.val_loss.get(r.name),
+                  "exact_match": {task: {str(n): v for n, v in by_length.items()}
+                                  for task, by_length in agg.retrieval_by_run.get(r.name, {}).items()}}
+                 for r in runs],
+        "val_loss_at_tokens": agg.val_at,
+        "val_loss": {kind: s.as_dict() for kind, s in agg.validation.items()},
+        "exact_match": {task: {str(n): {kind: s.as_dict() for kind, s in spreads.items()}
+                               for n, spreads in by_length.items()} for task, by_length in agg.retrieval.items()},
+    }
+    (out / "compare.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+
+
+def printed_distributions(agg: Aggregates) -> str:
+    """The distributions per attention kind as plain-text tables (what `nsa compare` prints)."""
+    from ..bench.common import format_table
+
+    columns = ["metric", "attention", "runs", "seeds", "mean", "min", "max", "spread"]
+    table = []
+    for row in distribution_rows(agg):
+        digits = 4 if row["metric"] == "val_loss" else 2
+        name = "val loss" if row["metric"] == "val_loss" else f"{row['task']} {length_label(row['length'])}"
+        table.append({"metric": name, "attention": row["attention"], "runs": row["runs"], "seeds": row["seeds"],
+                      **{key: f"{row[key]:.{digits}f}" for key in ("mean", "min", "max", "spread")}})
+    if not table:
+        return "no validation loss or retrieval result to compare"
+    return "per attention kind, over its runs (val loss: lower is better; retrieval: exact match)\n" + format_table(
+        table, columns)
 
 
 def _gate_section(runs: list[RunSummary], has_plot: bool) -> list[str]:

@@ -20,10 +20,12 @@ from ..data.retrieval import TASKS, ExampleTooShort, RetrievalTasks, example_rng
 from ..errors import UserError
 from ..plots.retrieval import plot_grids
 from .grid import Grid, length_label
+from .intervals import wilson_interval
 from .scoring import ValidationLoss, exact_match, validation_loss
 from .selection import needle_selected, nsa_layers, record_selection
 
-CSV_FIELDS = ["task", "length", "depth", "samples", "accuracy", "needle_selected"]
+CSV_FIELDS = ["task", "length", "depth", "samples", "correct", "accuracy", "ci_low", "ci_high", "needle_selected"]
+"""eval.csv's columns; ci_low and ci_high bound the accuracy's 95% Wilson interval over the cell's samples."""
 
 
 @dataclass
@@ -33,8 +35,8 @@ class EvalOptions:
     lengths: list[int]
     depths: list[float]
     tasks: list[str]
-    samples: int = 8
-    """Examples per (task, length, depth) cell."""
+    samples: int = 32
+    """Examples per (task, length, depth) cell (each cell's accuracy comes with a 95% interval over them)."""
     val_batches: int = 8
     """Validation batches (of the run's train.batch_size x train.seq_len); 0 skips the validation loss."""
     batch_tokens: int = 65536
@@ -165,8 +167,9 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     images = _write_outputs(out, rows, skipped, panels, _summary(path, cfg, model, device, step, name, validation, opts,
                                                          rows, skipped))
     for task, grid in grids.items():
-        print(f"\n{task}: exact-match accuracy (rows: needle depth, columns: context length)")
-        print(_table(grid))
+        print(f"\n{task}: exact-match accuracy of {opts.samples} samples per cell (rows: needle depth, columns: "
+              "context length; mean and 95% interval over all samples of a length)")
+        print(_table(grid, _interval_rows(rows, task, opts.lengths)))
         for s in skipped:
             if s["task"] == task:
                 print(f"skip at {length_label(s['length'])}: {s['reason']}")
@@ -256,8 +259,10 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
             for d, depth in enumerate(opts.depths):
                 cell = slice(d * opts.samples, (d + 1) * opts.samples)
                 cell_hits, by_layer = hits[cell], np.array(selected[cell], dtype=float)  # [samples, layers]
+                correct = sum(cell_hits)
+                low, high = wilson_interval(correct, len(cell_hits))
                 rows.append({"task": task, "length": length, "depth": depth, "samples": len(cell_hits),
-                             "accuracy": sum(cell_hits) / len(cell_hits),
+                             "correct": correct, "accuracy": correct / len(cell_hits), "ci_low": low, "ci_high": high,
                              "needle_selected": float(by_layer.mean()) if by_layer.size else None,
                              "needle_selected_by_layer": by_layer.mean(0).tolist() if by_layer.size else None})
     bar.close()
@@ -342,12 +347,14 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
              validation: ValidationLoss | None, opts: EvalOptions, rows: list[dict], skipped: list[dict]) -> dict:
     from ..telemetry.environment import git_revision, versions
 
-    mean, selected, by_layer = {}, {}, {}
+    mean, interval, selected, by_layer = {}, {}, {}, {}
     for task in opts.tasks:
         for length in opts.lengths:
             cell = [r for r in rows if r["task"] == task and r["length"] == length]
             if cell:
-                mean.setdefault(task, {})[str(length)] = sum(r["accuracy"] for r in cell) / len(cell)
+                pooled = pooled_accuracy(cell)
+                mean.setdefault(task, {})[str(length)] = pooled.pop("accuracy")
+                interval.setdefault(task, {})[str(length)] = pooled
             layers = [r["needle_selected_by_layer"] for r in cell if r.get("needle_selected_by_layer") is not None]
             if layers:
                 by_layer.setdefault(task, {})[str(length)] = np.mean(layers, axis=0).tolist()
@@ -372,7 +379,9 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
         "retrieval": {
             "tasks": list(opts.tasks), "lengths": list(opts.lengths), "depths": list(opts.depths),
             "samples": opts.samples, "seed": opts.seed, "kv_pairs": cfg.data.retrieval.kv_pairs,
-            "mean_accuracy": mean, "skipped": skipped,
+            # per task and length, over the samples of every depth: the accuracy, and its samples, hits and
+            # 95% Wilson interval
+            "mean_accuracy": mean, "mean_accuracy_interval": interval, "skipped": skipped,
             # NSA only: share of (layer, kv group) whose selection at a query of the question held the needle
             "needle_selected": selected, "needle_selected_by_layer": by_layer,
         },
@@ -387,6 +396,7 @@ def _write_outputs(out: Path, rows: list[dict], skipped: list[dict], grids: dict
         for r in rows:
             sel = r.get("needle_selected")
             writer.writerow({**r, "depth": f"{r['depth']:g}", "accuracy": f"{r['accuracy']:.4f}",
+                             "ci_low": f"{r['ci_low']:.4f}", "ci_high": f"{r['ci_high']:.4f}",
                              "needle_selected": "" if sel is None else f"{sel:.4f}"})
     (out / "eval.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
     images = []
@@ -399,7 +409,34 @@ def _write_outputs(out: Path, rows: list[dict], skipped: list[dict], grids: dict
     return images
 
 
-def _table(grid: Grid) -> str:
+def pooled_accuracy(cells: list[dict]) -> dict:
+    """samples, correct, accuracy and its 95% Wilson interval (ci_low, ci_high) over all samples of eval rows
+    (e.g. every depth of one task and length)."""
+    samples = sum(r["samples"] for r in cells)
+    correct = sum(r["correct"] for r in cells)
+    low, high = wilson_interval(correct, samples)
+    return {"samples": samples, "correct": correct, "accuracy": correct / samples, "ci_low": low, "ci_high": high}
+
+
+def _interval_rows(rows: list[dict], task: str, lengths: list[int]) -> list[dict[str, str]]:
+    """The printed table's last rows: per length, the accuracy over all its samples, its 95% interval and the
+    number of samples."""
+    mean, interval, samples = {"depth": "mean"}, {"depth": "95% CI"}, {"depth": "samples"}
+    for n in lengths:
+        cells = [r for r in rows if r["task"] == task and r["length"] == n]
+        label = length_label(n)
+        if not cells:
+            mean[label] = interval[label] = samples[label] = "skip"
+            continue
+        pooled = pooled_accuracy(cells)
+        mean[label] = f"{pooled['accuracy']:.2f}"
+        interval[label] = f"{pooled['ci_low']:.2f}-{pooled['ci_high']:.2f}"
+        samples[label] = str(pooled["samples"])
+    return [mean, interval, samples]
+
+
+def _table(grid: Grid, footer: list[dict[str, str]] | None = None) -> str:
+    """The grid by depth (rows) and length (columns), then `footer`'s rows; without one, the mean of each column."""
     from ..bench.common import format_table
 
     columns = ["depth"] + [length_label(n) for n in grid.lengths]
@@ -410,8 +447,9 @@ def _table(grid: Grid) -> str:
             value = grid.acc[i, j]
             row[length_label(n)] = f"{value:.2f}" if math.isfinite(value) else "skip"
         table.append(row)
-    means = {"depth": "mean"}
-    for j, n in enumerate(grid.lengths):
-        column = grid.acc[:, j]
-        means[length_label(n)] = f"{np.nanmean(column):.2f}" if np.isfinite(column).any() else "skip"
-    return format_table(table + [means], columns)
+    if footer is None:
+        footer = [{"depth": "mean"}]
+        for j, n in enumerate(grid.lengths):
+            column = grid.acc[:, j]
+            footer[0][length_label(n)] = f"{np.nanmean(column):.2f}" if np.isfinite(column).any() else "skip"
+    return format_table(table + footer, columns)

@@ -38,7 +38,7 @@ class RunData:
     env: dict[str, Any]
     has_stats_file: bool
     eval_rows: list[dict[str, Any]] = field(default_factory=list)
-    """eval/eval.csv's well-formed rows (task, length, depth, samples, accuracy)."""
+    """eval/eval.csv's well-formed rows (task, length, depth, samples, correct, accuracy)."""
     eval_summary: dict[str, Any] = field(default_factory=dict)
     """eval/eval.json, as `nsa eval` wrote it."""
 
@@ -155,10 +155,14 @@ def read_eval_rows(path: Path) -> list[dict[str, Any]]:
     rows = []
     for raw in csv.DictReader(_complete_lines(path)):
         try:
-            rows.append({"task": raw["task"], "length": int(raw["length"]), "depth": float(raw["depth"]),
-                         "samples": int(raw["samples"]), "accuracy": float(raw["accuracy"])})
+            row = {"task": raw["task"], "length": int(raw["length"]), "depth": float(raw["depth"]),
+                   "samples": int(raw["samples"]), "accuracy": float(raw["accuracy"])}
+            # An eval.csv without a correct column gives the count its accuracy implies.
+            correct = raw.get("correct")
+            row["correct"] = int(correct) if correct else round(row["accuracy"] * row["samples"])
         except (KeyError, TypeError, ValueError):
             continue
+        rows.append(row)
     return rows
 
 

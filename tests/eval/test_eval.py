@@ -21,6 +21,7 @@ from nsa.data.tokenizers import ByteTokenizer, get_tokenizer
 from nsa.errors import UserError
 from nsa.eval import runner
 from nsa.eval.compare import USED_GATE, render_compare
+from nsa.eval.intervals import wilson_interval
 from nsa.data.retrieval import FILLER, RetrievalTasks, example_rng
 from nsa.eval.scoring import answer_logits, exact_match
 from nsa.inference.generate import generate
@@ -309,12 +310,18 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
     assert code == 0
     out = runs / "nsa" / "eval"
     rows = list(csv.DictReader(open(out / "eval.csv")))
-    assert list(rows[0]) == ["task", "length", "depth", "samples", "accuracy", "needle_selected"]
+    assert list(rows[0]) == ["task", "length", "depth", "samples", "correct", "accuracy", "ci_low", "ci_high",
+                             "needle_selected"]
     # kv does not fit in 90 tokens: that length is skipped for kv only.
     cells = {(r["task"], int(r["length"]), float(r["depth"])) for r in rows}
     assert cells == {("passkey", n, d) for n in (90, 128, 256) for d in (0, 0.5, 1)} | {
         ("kv", n, d) for n in (128, 256) for d in (0, 0.5, 1)}
-    assert all(r["samples"] == "2" and 0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
+    for r in rows:  # each cell: its samples, the correct ones among them, and their 95% Wilson interval
+        assert r["samples"] == "2" and r["correct"] in ("0", "1", "2")
+        assert float(r["accuracy"]) == int(r["correct"]) / 2
+        low, high = wilson_interval(int(r["correct"]), 2)
+        assert (float(r["ci_low"]), float(r["ci_high"])) == (round(low, 4), round(high, 4))
+        assert float(r["ci_low"]) <= float(r["accuracy"]) <= float(r["ci_high"]) and high - low > 0.5
     info = json.loads((out / "eval.json").read_text())
     assert info["step"] == 6 and info["attention"] == "nsa" and info["trained_seq_len"] == 128
     assert info["device"] == "cpu" and info["versions"]["torch"] == torch.__version__
@@ -322,6 +329,15 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
         info["validation"]["perplexity"], math.exp(info["validation"]["loss"]), rel_tol=1e-9)
     assert [(s["task"], s["length"]) for s in info["retrieval"]["skipped"]] == [("kv", 90)]
     assert set(info["retrieval"]["mean_accuracy"]) == {"passkey", "kv"}
+    # Per task and length, over every sample of the length: 3 depths x 2 samples.
+    for task, length in (("passkey", 90), ("kv", 256)):
+        pooled = info["retrieval"]["mean_accuracy_interval"][task][str(length)]
+        cell_rows = [r for r in rows if r["task"] == task and r["length"] == str(length)]
+        correct = sum(int(r["correct"]) for r in cell_rows)
+        assert pooled["samples"] == 6 and pooled["correct"] == correct
+        assert info["retrieval"]["mean_accuracy"][task][str(length)] == correct / 6
+        assert (pooled["ci_low"], pooled["ci_high"]) == pytest.approx(wilson_interval(correct, 6))
+    assert "90" not in info["retrieval"]["mean_accuracy_interval"]["kv"]
     for task in ("passkey", "kv"):
         assert_png(out / f"retrieval_{task}.png")
     # A passkey needle at depth 0 lies in the forced block 0, at depth 1 in the query's forced previous block.
@@ -331,8 +347,41 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
     by_layer = info["retrieval"]["needle_selected_by_layer"]["passkey"]["256"]
     assert len(by_layer) == 2 and all(0.0 <= v <= 1.0 for v in by_layer)
     printed = capsys.readouterr().out
-    assert "validation: loss" in printed and "passkey: exact-match accuracy" in printed and "mean" in printed
+    assert "validation: loss" in printed and "passkey: exact-match accuracy of 2 samples per cell" in printed
+    table = printed.split("passkey: exact-match accuracy")[1].split("needle block selected")[0]
+    pooled = info["retrieval"]["mean_accuracy_interval"]["passkey"]["128"]
+    assert re.search(r"^ *mean( +[0-9.]+){3}$", table, re.M)
+    assert re.search(rf"^ *95% CI .* {pooled['ci_low']:.2f}-{pooled['ci_high']:.2f} ", table, re.M)
+    assert re.search(r"^ *samples +6 +6 +6$", table, re.M)
     assert "passkey: needle block selected" in printed
+
+
+def test_eval_takes_32_samples_per_cell_unless_told(monkeypatch):
+    seen = []
+    monkeypatch.setattr(runner, "run_eval", lambda target, opts: seen.append(opts))
+    assert main(["eval", "runs/x"]) == 0 and main(["eval", "runs/x", "--samples", "3"]) == 0
+    assert [opts.samples for opts in seen] == [32, 3]
+    assert runner.EvalOptions(lengths=[128], depths=[0.0], tasks=["kv"]).samples == 32
+
+
+def test_kv_trains_as_a_retrieval_source_and_is_evaluated_with_intervals(tmp_path, capsys):
+    """kv, the second task (the queried key among distractor pairs of the same form), trains with
+    data.retrieval.task=kv and is scored cell by cell like passkey."""
+    train(load_config(None, TINY + ["data.source=retrieval", "data.retrieval.task=kv", "data.retrieval.kv_pairs=4",
+                                    "train.steps=2", "train.eval_every=2", f"train.out_dir={tmp_path}",
+                                    "train.run_name=kv"]))
+    assert "synthetic kv retrieval examples" in capsys.readouterr().out
+    assert main(["eval", str(tmp_path / "kv"), "--tasks", "kv", "--lengths", "128,160", "--depths", "0,1",
+                 "--samples", "3", "--val-batches", "1", "--no-progress"]) == 0
+    out = tmp_path / "kv" / "eval"
+    rows = list(csv.DictReader(open(out / "eval.csv")))
+    assert [(r["task"], r["length"], r["depth"], r["samples"]) for r in rows] == [
+        ("kv", n, d, "3") for n in ("128", "160") for d in ("0", "1")]
+    for r in rows:
+        low, high = wilson_interval(int(r["correct"]), 3)
+        assert (float(r["ci_low"]), float(r["ci_high"])) == (round(low, 4), round(high, 4))
+    info = json.loads((out / "eval.json").read_text())["retrieval"]
+    assert info["kv_pairs"] == 4 and info["mean_accuracy_interval"]["kv"]["160"]["samples"] == 6
 
 
 def test_eval_of_a_dense_model_leaves_needle_selection_blank(runs, tmp_path):
@@ -439,7 +488,7 @@ def test_compare_two_runs(runs, tmp_path):
     assert "**Margin:** NSA's mean validation loss is" in text
     assert "| nsa (nsa) |" in text and "| dense (dense) |" in text  # both heatmaps' rows
     # NSA's needle selection, from its eval.json; dense has no row.
-    table = text.split("Needle block selected at a query of the question")[1].split("![]")[0]
+    table = text.split("Needle block selected at a query of the question")[1].split("Per attention kind")[0]
     nsa_row = re.search(r"^\| nsa \| ([0-9.| ]+)\|$", table, re.M)
     info = json.loads((runs / "nsa" / "eval" / "eval.json").read_text())["retrieval"]
     first = min(int(n) for n in info["needle_selected"]["passkey"])
@@ -451,7 +500,11 @@ def test_compare_two_runs(runs, tmp_path):
 # ------------------------------------------------------------------------------ compare, fake runs
 
 
-def fake_run(root: Path, name: str, attention: str, seed: int, final_val: float, gates=None) -> Path:
+def fake_run(root: Path, name: str, attention: str, seed: int, final_val: float, gates=None,
+             correct: dict[int, list[int]] | None = None, samples: int = 4, old_csv: bool = False) -> Path:
+    """A run folder with metrics.csv and config.yaml; gates: nsa_stats.jsonl's gate means per layer; correct:
+    eval/eval.csv of passkey, per length the correct answers at each depth (of `samples`), without the correct
+    and interval columns when old_csv (as `nsa eval` wrote it before it had them)."""
     run = root / name
     run.mkdir(parents=True)
     with open(run / "metrics.csv", "w", newline="") as f:
@@ -464,6 +517,17 @@ def fake_run(root: Path, name: str, attention: str, seed: int, final_val: float,
         layers = [{"layer": i, "gate_mean": g, "gate_std": [0.1] * 3, "sel_distance_mean": 100.0,
                    "sel_forced_share": 0.5, "sel_concentration": 0.7} for i, g in enumerate(gates)]
         (run / "nsa_stats.jsonl").write_text(json.dumps({"step": 40, "layers": layers}) + "\n")
+    if correct is not None:
+        (run / "eval").mkdir()
+        fields = ["task", "length", "depth", "samples", "accuracy"] if old_csv else runner.CSV_FIELDS
+        with open(run / "eval" / "eval.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            w.writeheader()
+            for length, hits in correct.items():
+                for depth, k in zip((0, 0.5, 1), hits):
+                    low, high = wilson_interval(k, samples)
+                    w.writerow({"task": "passkey", "length": length, "depth": depth, "samples": samples, "correct": k,
+                                "accuracy": f"{k / samples:.4f}", "ci_low": low, "ci_high": high})
     return run
 
 
@@ -477,14 +541,54 @@ def test_compare_shows_the_seed_spread_the_margin_and_unused_branches(tmp_path):
         fake_run(tmp_path, "dense-s2", "dense", 2, 2.70),
     ]
     text = render_compare(runs, tmp_path / "out").read_text()
-    assert "| nsa | 2 | 2.0500 | 0.0707; 2.0000-2.1000 |" in text
-    assert "| dense | 2 | 2.6000 | 0.1414; 2.5000-2.7000 |" in text
+    assert "| nsa | 2 | 2 | 2.0500 | 2.0000 | 2.1000 | 0.1000 | 0.0707 |" in text
+    assert "| dense | 2 | 2 | 2.6000 | 2.5000 | 2.7000 | 0.2000 | 0.1414 |" in text
     assert "NSA's mean validation loss is 0.5500 nats lower (better) than dense's" in text
-    assert "The margin is larger than the widest spread between seeds of one kind (0.2000)." in text
+    assert "The margin is larger than the widest spread between runs of one kind (0.2000)." in text
     assert "| nsa-s1 | 40 | 0.350 | 0.450 | 0.550 | yes |" in text
     assert f"| nsa-s2 | 40 | 0.015 | 0.450 | 0.550 | no (compressed below {USED_GATE}) |" in text
     assert "layer 0: compressed gate collapsed" in text
     assert "No run has retrieval results" in text and not (tmp_path / "out" / "retrieval_passkey.png").exists()
+
+
+def test_compare_states_the_distribution_over_seeds_and_reruns(tmp_path, capsys):
+    """Per attention kind: mean, min, max and spread over its runs, with how many runs and seeds (two folders of
+    one seed are reruns), for the validation loss and for each task and length of retrieval."""
+    runs = [
+        # nsa: seed 1 twice (a rerun) and seed 2; at 128 tokens the runs score 3/12, 6/12 and 12/12.
+        fake_run(tmp_path, "nsa-a", "nsa", 1, 2.00, correct={128: [0, 1, 2], 256: [0, 0, 4]}),
+        fake_run(tmp_path, "nsa-b", "nsa", 1, 2.30, correct={128: [2, 2, 2]}),  # 256 skipped
+        fake_run(tmp_path, "nsa-c", "nsa", 2, 2.10, correct={128: [4, 4, 4], 256: [4, 4, 4]}, old_csv=True),
+        fake_run(tmp_path, "dense-a", "dense", 1, 2.50, correct={128: [4, 4, 3], 256: [4, 4, 4]}),
+    ]
+    out = tmp_path / "out"
+    text = render_compare(runs, out).read_text()
+    printed = capsys.readouterr().out
+    assert "| nsa | 3 | 2 | 2.1333 | 2.0000 | 2.3000 | 0.3000 | 0.1528 |" in text
+    assert "| dense | 1 | 1 | 2.5000 | 2.5000 | 2.5000 | one run | - |" in text
+    assert "| nsa-a (nsa) | 0.25 (0.09-0.53) | 0.33 (0.14-0.61) |" in text  # each run, with its 95% interval
+    assert "| nsa-b (nsa) | 0.50 (0.25-0.75) | - |" in text
+    assert "| nsa | 128 | 3 | 2 | 0.58 | 0.25 | 1.00 | 0.75 |" in text
+    assert "| nsa | 256 | 2 | 2 | 0.67 | 0.33 | 1.00 | 0.67 |" in text
+    assert "| dense | 128 | 1 | 1 | 0.92 | 0.92 | 0.92 | one run |" in text
+    assert re.search(r"^ *passkey 128 +nsa +3 +2 +0\.58 +0\.25 +1\.00 +0\.75$", printed, re.M)
+    assert re.search(r"^ *val loss +nsa +3 +2 +2\.1333 +2\.0000 +2\.3000 +0\.3000$", printed, re.M)
+
+    rows = list(csv.DictReader(open(out / "compare.csv")))
+    assert list(rows[0]) == ["metric", "task", "length", "attention", "runs", "seeds", "mean", "min", "max", "spread",
+                             "std"]
+    by_key = {(r["metric"], r["task"], r["length"], r["attention"]): r for r in rows}
+    assert len(rows) == len(by_key) == 2 + 2 * 2
+    nsa_128 = by_key[("exact_match", "passkey", "128", "nsa")]
+    assert (nsa_128["runs"], nsa_128["seeds"]) == ("3", "2")
+    assert [float(nsa_128[k]) for k in ("mean", "min", "max", "spread")] == pytest.approx([7 / 12, 0.25, 1.0, 0.75])
+    assert by_key[("val_loss", "", "", "dense")]["std"] == ""  # one run: no standard deviation
+
+    info = json.loads((out / "compare.json").read_text())
+    assert info["exact_match"]["passkey"]["256"]["nsa"]["runs"] == 2
+    assert info["val_loss"]["nsa"]["mean"] == pytest.approx(6.4 / 3)
+    assert [(r["name"], r["seed"]) for r in info["runs"]] == [("nsa-a", 1), ("nsa-b", 1), ("nsa-c", 2), ("dense-a", 1)]
+    assert [r["exact_match"]["passkey"]["128"] for r in info["runs"]] == pytest.approx([0.25, 0.5, 1.0, 11 / 12])
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -228,3 +228,63 @@ def test_the_compiled_loss_under_fsdp2_gives_the_plain_models_loss_and_gradients
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
     torch.testing.assert_close(grad, plain.tok_emb.weight.grad, rtol=1e-4, atol=1e-6)
 
+
+
+# ------------------------------------------------------------------------------ a training run's gate watch
+
+
+def collapse_gates(model: Transformer) -> None:
+    """Set every NSA layer's gate MLP so that each gate is ~0 for any input: the hidden units come in pairs
+    (w, -w), whose silu outputs sum to a * tanh(a / 2) >= 0 for a = w . x, and the output layer weighs every
+    hidden unit -1, so each gate's logit is minus a sum of such terms. With w ~ N(0, 4) and inputs of unit RMS, each
+    |a| is about 2 sqrt(dim): with 8 pairs at dim 32 the logits are near -70, where the sigmoid's gradient is far
+    below Adam's eps, so a few steps of training leave the gates closed."""
+    with torch.no_grad():
+        for block in model.layers:
+            gate = block.attn.gate
+            half = gate.fc1.out_features // 2
+            w = 2 * torch.randn(half, gate.fc1.in_features)
+            gate.fc1.weight.copy_(torch.cat([w, -w, torch.zeros(gate.fc1.out_features - 2 * half, w.shape[1])]))
+            gate.fc2.weight.fill_(-1.0)
+
+
+RETRIEVAL_RUN = [
+    "model.attention=nsa", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+    "model.head_dim=16", "model.mlp_hidden=64", "model.nsa.gate_hidden=16", "data.source=retrieval",
+    "data.retrieval.task=kv", "data.retrieval.kv_pairs=3", "train.seq_len=128", "train.batch_size=2",
+    "train.steps=4", "train.warmup_steps=1", "train.eval_every=0", "train.log_every=1", "train.sample_tokens=0",
+    "train.progress=false", "telemetry.health_every=2", "telemetry.tensorboard=false",
+]
+
+
+@pytest.mark.parametrize("forced", [True, False], ids=["collapsed", "healthy"])
+def test_a_training_run_warns_about_collapsed_gates_only_when_they_are(forced, tmp_path, monkeypatch, capsys):
+    """A few steps of retrieval training: with every gate forced to ~0, the trainer's health statistics record the
+    collapse, and it prints and logs one warning per layer and branch; without the forcing, none."""
+    from nsa.config import load_config
+    from nsa.train import loop
+
+    class CollapsedGates(Transformer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            collapse_gates(self)
+
+    if forced:
+        monkeypatch.setattr(loop, "Transformer", CollapsedGates)
+    loop.train(load_config(None, RETRIEVAL_RUN + [f"train.out_dir={tmp_path}", "train.run_name=run"]))
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "nsa_stats.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 4]
+    means = np.array([[layer["gate_mean"] for layer in r["layers"]] for r in records])  # [records, layers, 3]
+    events = [json.loads(line) for line in (run / "heartbeat_rank0.jsonl").read_text().splitlines()]
+    warnings = [e for e in events if e["event"] == "warning"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    if forced:
+        assert means.max() < 1e-6
+        expected = [f"layer {layer}: the {branch} gate collapsed to 0.000 (mean over heads and tokens)"
+                    for layer in range(2) for branch in ("compressed", "selected", "window")]
+        assert [(e["step"], e["message"]) for e in warnings] == [(1, m) for m in expected]  # once each, not again
+        assert printed == [f"warning: step 1: {m}" for m in expected]
+    else:
+        assert 0.1 < means.min() and means.max() < 0.9
+        assert warnings == [] and printed == []
