@@ -250,7 +250,7 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
                                           f"tokens; give --lengths {e.needed - 1} or more)"})
                 bar.update(cell)
                 continue
-            hits, selected, failure = _score(model, examples, opts.batch_tokens // length, device, bar.update)
+            hits, selected, gates, failure = _score(model, examples, opts.batch_tokens // length, device, bar.update)
             if failure is not None:
                 skipped.append({"task": task, "length": length, "reason": failure})
                 bar.write(f"{task} at {length:,} tokens: skipped: {failure}")
@@ -259,12 +259,14 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
             for d, depth in enumerate(opts.depths):
                 cell = slice(d * opts.samples, (d + 1) * opts.samples)
                 cell_hits, by_layer = hits[cell], np.array(selected[cell], dtype=float)  # [samples, layers]
+                cell_gates = np.array(gates[cell], dtype=float)  # [samples, layers, 3]
                 correct = sum(cell_hits)
                 low, high = wilson_interval(correct, len(cell_hits))
                 rows.append({"task": task, "length": length, "depth": depth, "samples": len(cell_hits),
                              "correct": correct, "accuracy": correct / len(cell_hits), "ci_low": low, "ci_high": high,
                              "needle_selected": float(by_layer.mean()) if by_layer.size else None,
-                             "needle_selected_by_layer": by_layer.mean(0).tolist() if by_layer.size else None})
+                             "needle_selected_by_layer": by_layer.mean(0).tolist() if by_layer.size else None,
+                             "question_gates_by_layer": cell_gates.mean(0).tolist() if cell_gates.size else None})
     bar.close()
     order = {t: i for i, t in enumerate(opts.tasks)}
     rows.sort(key=lambda r: (order[r["task"]], r["length"], r["depth"]))
@@ -272,13 +274,14 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
 
 
 def _score(model, examples, batch: int, device: torch.device, progress: Callable[[int], object]
-           ) -> tuple[list[bool], list[list[float]], str | None]:
+           ) -> tuple[list[bool], list[list[float]], list[list[list[float]]], str | None]:
     """Exact match of every example, in batches; for an NSA model, per example and layer, the share of kv
     groups whose selection at a query of the question holds the needle (empty lists for a dense model); and
     None, or a one-line reason when memory ran out."""
     batch = max(1, batch)
     hits: list[bool] = []
     selected: list[list[float]] = []
+    gates: list[list[list[float]]] = []
     failure = None
     layers = nsa_layers(model)
     sel_block = layers[0].cfg.nsa.sel_block if layers else 0
@@ -288,14 +291,16 @@ def _score(model, examples, batch: int, device: torch.device, progress: Callable
             tokens = torch.from_numpy(np.stack([e.tokens for e in chunk])).to(device)
             start = torch.tensor([e.answer_start for e in chunk], device=device)
             length = torch.tensor([e.answer_len for e in chunk], device=device)
-            with record_selection(model, _question_queries(chunk, device)) as records:
+            with record_selection(model, _question_queries(chunk, device)) as record:
                 hits += exact_match(model, tokens, start, length).tolist()
-            if records:
+            if record.blocks:
                 needle = torch.tensor([[e.needle_start, e.needle_len] for e in chunk], device=device)
-                found = needle_selected(records, needle[:, 0], needle[:, 1], sel_block)  # [B,L,G]
+                found = needle_selected(record.blocks, needle[:, 0], needle[:, 1], sel_block)  # [B,L,G]
                 selected += found.float().mean(-1).tolist()
+                gates += torch.stack(record.gates, 1).tolist()  # [B,L,3]
             else:
                 selected += [[] for _ in chunk]
+                gates += [[] for _ in chunk]
             progress(len(chunk))
     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
@@ -304,7 +309,7 @@ def _score(model, examples, batch: int, device: torch.device, progress: Callable
     if failure is not None and device.type == "cuda":
         # Only now, with the exception and its frames gone, are the failed batch's tensors free.
         torch.cuda.empty_cache()
-    return hits, selected, failure
+    return hits, selected, gates, failure
 
 
 def _question_queries(examples: list, device: torch.device) -> torch.Tensor:
@@ -347,7 +352,7 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
              validation: ValidationLoss | None, opts: EvalOptions, rows: list[dict], skipped: list[dict]) -> dict:
     from ..telemetry.environment import git_revision, versions
 
-    mean, interval, selected, by_layer = {}, {}, {}, {}
+    mean, interval, selected, by_layer, question_gates = {}, {}, {}, {}, {}
     for task in opts.tasks:
         for length in opts.lengths:
             cell = [r for r in rows if r["task"] == task and r["length"] == length]
@@ -359,6 +364,9 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
             if layers:
                 by_layer.setdefault(task, {})[str(length)] = np.mean(layers, axis=0).tolist()
                 selected.setdefault(task, {})[str(length)] = float(np.mean(layers))
+            layer_gates = [r["question_gates_by_layer"] for r in cell if r.get("question_gates_by_layer") is not None]
+            if layer_gates:
+                question_gates.setdefault(task, {})[str(length)] = np.mean(layer_gates, axis=0).round(4).tolist()
     return {
         "run": name,
         "checkpoint": str(path),
@@ -384,6 +392,8 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
             "mean_accuracy": mean, "mean_accuracy_interval": interval, "skipped": skipped,
             # NSA only: share of (layer, kv group) whose selection at a query of the question held the needle
             "needle_selected": selected, "needle_selected_by_layer": by_layer,
+            # NSA only: [layers][cmp, sel, win] gate means at the queries of the question
+            "question_gates_by_layer": question_gates,
         },
     }
 

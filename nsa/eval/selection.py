@@ -13,6 +13,7 @@ and the one before it), so needles at depth 0 or right before the question are a
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from collections.abc import Iterator
 from functools import partial
 
@@ -27,27 +28,42 @@ def nsa_layers(model: nn.Module) -> list[NSAAttention]:
     return [layer.attn for layer in getattr(model, "layers", []) if isinstance(layer.attn, NSAAttention)]
 
 
+@dataclass
+class QuestionRecord:
+    """What each NSA layer did at the queries of the question, one entry per layer in layer order."""
+
+    blocks: list[torch.Tensor] = field(default_factory=list)
+    """[B,P,G,n] selected blocks at the recorded queries (-1 marks unused slots)."""
+    gates: list[torch.Tensor] = field(default_factory=list)
+    """[B,3] gates (cmp, sel, win), mean over the recorded queries and the heads: whether the layer used its
+    branches where the answer is fetched (the trainer's gate statistics average over every token instead)."""
+
+
 @contextlib.contextmanager
-def record_selection(model: nn.Module, query_pos: torch.Tensor) -> Iterator[list[torch.Tensor]]:
-    """While active, each NSA layer's forward appends its selected blocks [B,P,G,n] at positions query_pos [B,P].
+def record_selection(model: nn.Module, query_pos: torch.Tensor) -> Iterator[QuestionRecord]:
+    """While active, each NSA layer's forward records its selected blocks and gates at positions query_pos [B,P].
 
     The selection is recomputed from the layer's own inputs (NSAAttention.selected_blocks, the op the
     layer's attention uses), so it is exactly what the forward attended to. Costs one more projection and
     selection per layer.
     """
-    records: list[torch.Tensor] = []
-    hooks = [attn.register_forward_hook(partial(_record, records=records, query_pos=query_pos))
+    record = QuestionRecord()
+    hooks = [attn.register_forward_hook(partial(_record, record=record, query_pos=query_pos))
              for attn in nsa_layers(model)]
     try:
-        yield records
+        yield record
     finally:
         for hook in hooks:
             hook.remove()
 
 
-def _record(attn: NSAAttention, inputs: tuple, output: torch.Tensor, *, records: list, query_pos: torch.Tensor):
-    idx = attn.selected_blocks(attn.project(*inputs))  # [B,T,G,n]
-    records.append(idx[torch.arange(idx.shape[0], device=idx.device)[:, None], query_pos])
+def _record(attn: NSAAttention, inputs: tuple, output: torch.Tensor, *, record: QuestionRecord,
+            query_pos: torch.Tensor):
+    projected = attn.project(*inputs)
+    idx = attn.selected_blocks(projected)  # [B,T,G,n]
+    rows = torch.arange(idx.shape[0], device=idx.device)[:, None]
+    record.blocks.append(idx[rows, query_pos])
+    record.gates.append(projected["gates"][rows, query_pos].float().mean(dim=(1, 2)))  # [B,P,H,3] -> [B,3]
 
 
 def needle_selected(selected: list[torch.Tensor], needle_start: torch.Tensor, needle_len: torch.Tensor,

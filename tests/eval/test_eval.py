@@ -346,6 +346,8 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
     assert all(0.0 <= float(r["needle_selected"]) <= 1.0 for r in rows)
     by_layer = info["retrieval"]["needle_selected_by_layer"]["passkey"]["256"]
     assert len(by_layer) == 2 and all(0.0 <= v <= 1.0 for v in by_layer)
+    gates = info["retrieval"]["question_gates_by_layer"]["passkey"]["256"]  # [layers][cmp, sel, win]
+    assert len(gates) == 2 and all(len(g) == 3 and all(0.0 < v < 1.0 for v in g) for g in gates)
     printed = capsys.readouterr().out
     assert "validation: loss" in printed and "passkey: exact-match accuracy of 2 samples per cell" in printed
     table = printed.split("passkey: exact-match accuracy")[1].split("needle block selected")[0]

@@ -32,10 +32,11 @@ def test_record_selection_returns_what_each_layer_selects_at_the_query():
     model = Transformer(cfg).eval()
     tokens = torch.randint(0, 256, (2, 150))
     query = torch.tensor([149, 97])
-    with torch.no_grad(), record_selection(model, query[:, None]) as records:
+    with torch.no_grad(), record_selection(model, query[:, None]) as record:
         model.hidden(tokens)
+    records = record.blocks
     # The same selection, computed by walking the layers by hand with the reference.
-    expected = []
+    expected, expected_gates = [], []
     with torch.no_grad():
         cos, sin = model.rope(torch.arange(tokens.shape[1]))
         x = model.tok_emb(tokens)
@@ -45,16 +46,20 @@ def test_record_selection_returns_what_each_layer_selects_at_the_query():
             idx = reference.select_blocks(p["q"], attn.compress_k(p["k_cmp"]), block_len=nsa.block_len,
                                           block_stride=nsa.block_stride, sel_block=nsa.sel_block, n_sel=nsa.n_sel)
             expected.append(idx[torch.arange(2), query])
+            expected_gates.append(p["gates"][torch.arange(2), query].mean(1))  # [2,3]: mean over heads
             x = layer(x, cos, sin)
     assert len(records) == 2
     for got, want in zip(records, expected):
         assert torch.equal(got[:, 0], want)
+    for got, want in zip(record.gates, expected_gates):
+        torch.testing.assert_close(got, want)
     # Query 97 lies in block 3 (sel_block 32): its forced blocks 0, 2 and 3 are among what it selected.
     assert {0, 2, 3} <= set(records[0][1, 0, 0].tolist())
     # Several queries per row: the same selection at the first, [B,P,G,n].
     queries = torch.stack([query, query - 1, query - 40], 1)
-    with torch.no_grad(), record_selection(model, queries) as several:
+    with torch.no_grad(), record_selection(model, queries) as several_record:
         model.hidden(tokens)
+    several = several_record.blocks
     for got, one in zip(several, records):
         assert got.shape == (2, 3) + one.shape[2:] and torch.equal(got[:, :1], one)
     assert not torch.equal(several[0][:, 0], several[0][:, 2])  # other queries, other choices
