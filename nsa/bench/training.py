@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import load_config
+from ..config import RunConfig, load_config
 from ..errors import UserError
 from ..model.attention import SDPA_BACKENDS
 from ..plots.bench import dense_references, picture, ratio_column
@@ -125,6 +125,13 @@ def bench_config(config: str | None, overrides: list[str], attention: str, seq_l
     ])
 
 
+def bench_trainer(cfg: RunConfig, info: DistInfo) -> Trainer:
+    """A Trainer for one benchmark row, its run folder (telemetry files only) in cfg.train.out_dir."""
+    run_dir = Path(cfg.train.out_dir) / cfg.train.run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Trainer(cfg, info, run_dir)
+
+
 def measure(config: str | None, overrides: list[str], attention: str, seq_len: int, batch_tokens: int, steps: int,
             warmup: int, info: DistInfo, profile_dir: str | None = None) -> dict:
     batch = max(1, batch_tokens // seq_len)
@@ -132,7 +139,8 @@ def measure(config: str | None, overrides: list[str], attention: str, seq_len: i
     # From the start: under parallel.cudagraphs the warm-up steps record the graphs, whose memory the timed
     # replays reuse without allocating.
     torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(bench_config(config, overrides, attention, seq_len, batch_tokens, warmup + steps + 1), info)
+    trainer = bench_trainer(bench_config(config, overrides, attention, seq_len, batch_tokens, warmup + steps + 1),
+                            info)
     for _ in range(warmup):
         trainer.train_step()
     torch.cuda.synchronize()
