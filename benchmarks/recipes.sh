@@ -14,6 +14,7 @@
 # run from its latest checkpoint and skips the stages it has finished.
 # Options:
 #   --seeds N           N runs of each model, train.seed 1337, 1338, ... (default 1)
+#   --first-seed S      the first of those seeds (default 1337): e.g. one seed per GPU, each its own command
 #   --attention LIST    the models, comma-separated (default nsa,dense)
 #   --stages SPEC       the retrieval curriculum: each stage SEQxBATCH (tokens x sequences), +LENGTH for each
 #                       length drawn per step besides SEQ (data.retrieval.mix_lengths), :STEPS
@@ -26,19 +27,20 @@
 # Training runs eagerly (parallel.compile=false, as the recipes' results were measured; the retrieval stages'
 # many lengths would each compile): override with -- parallel.compile=true.
 set -euo pipefail
-usage="usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--attention nsa,dense] [--stages SPEC] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N] [-- key=value ...]"
+usage="usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--first-seed S] [--attention nsa,dense] [--stages SPEC] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N] [-- key=value ...]"
 fail() { echo "recipes.sh: $*" >&2; exit 2; }
 if [[ $# -lt 2 || ! $1 =~ ^(learn|retrieval)$ || $2 == -* ]]; then echo "$usage" >&2; exit 2; fi
 recipe=$1 out_arg=$2
 shift 2
-seeds=1 attention=nsa,dense extend=300 eval_args=() overrides=()
+seeds=1 first_seed=1337 attention=nsa,dense extend=300 eval_args=() overrides=()
 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4+32768+65536:1000,16384x4+4096+8192+32768+65536:600
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --seeds|--attention|--stages|--extend|--eval-lengths|--eval-samples)
+    --seeds|--first-seed|--attention|--stages|--extend|--eval-lengths|--eval-samples)
       [[ $# -ge 2 ]] || fail "$1 needs a value"
       case $1 in
         --seeds) [[ $2 =~ ^[1-9][0-9]*$ ]] || fail "--seeds takes a positive number (got '$2')"; seeds=$2 ;;
+        --first-seed) [[ $2 =~ ^[0-9]+$ ]] || fail "--first-seed takes a number (got '$2')"; first_seed=$2 ;;
         --attention) [[ $2 =~ ^(nsa|dense)(,(nsa|dense))*$ ]] || fail "--attention takes nsa, dense or nsa,dense (got '$2')"
                      attention=$2 ;;
         --stages) stages=$2 ;;
@@ -108,11 +110,11 @@ runs=()
 IFS=, read -ra models <<< "$attention"
 for ((s = 0; s < seeds; s++)); do
   for model in "${models[@]}"; do
-    run=$recipe-$model-$((1337 + s))
+    run=$recipe-$model-$((first_seed + s))
     if [[ $recipe == learn ]]; then
-      train "$run" model.attention="$model" train.seed=$((1337 + s))
+      train "$run" model.attention="$model" train.seed=$((first_seed + s))
     else
-      retrieval_run "$run" model.attention="$model" train.seed=$((1337 + s))
+      retrieval_run "$run" model.attention="$model" train.seed=$((first_seed + s))
     fi
     runs+=("$out/$run")
   done

@@ -171,6 +171,7 @@ def no_gpu(tmp_path) -> Path:
     ("recipes.sh", ["train", "{out}"], "usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR"),
     ("recipes.sh", ["learn"], "usage:"),
     ("recipes.sh", ["learn", "{out}", "--seeds", "0"], "--seeds takes a positive number"),
+    ("recipes.sh", ["learn", "{out}", "--first-seed", "x"], "--first-seed takes a number"),
     ("recipes.sh", ["learn", "{out}", "--attention", "nsa,flex"], "--attention takes nsa, dense"),
     ("recipes.sh", ["retrieval", "{out}", "--stages", "256x4:10,512:10"], "--stages takes SEQxBATCH"),
     ("recipes.sh", ["retrieval", "{out}", "--extend"], "--extend needs a value"),
