@@ -66,7 +66,7 @@ def _dense_prefill(attn: nn.Module, x, cos, sin, cache: DenseLayerCache, documen
     if documents is None:
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     else:
-        o = document_attention(q, k, v, documents.ids.view(b, t))
+        o = document_attention(q, k, v, documents)
     return attn.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 from ..errors import ConfigError
 from ..ops import nsa_attention, select_blocks
@@ -160,7 +160,7 @@ class DenseAttention(nn.Module):
         if documents is None:
             o = dense_sdpa(q, k, v, self.backend)
         else:
-            o = document_attention(q, k, v, documents.ids.view(b, t))
+            o = document_attention(q, k, v, documents)
         return self.wo(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -169,36 +169,29 @@ class DenseAttention(nn.Module):
 # (B times the mask to build) for the same result. B and T are the batch's, fixed for a run, so the mask's shape
 # is static under torch.compile and CUDA graphs; only its content (the document ids) changes per batch.
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
     """Causal grouped-query attention of [B, heads, T, D] tensors within documents: the query at t of row b sees
-    the keys s <= t with ids[b, s] == ids[b, t] (ids [B, T]: each token's document, nsa.model.documents).
+    the keys s <= t of its own document (nsa.model.documents).
 
-    On a GPU through FlexAttention, whose block mask skips the blocks no query of a block may see; elsewhere
-    through SDPA with the mask in full (FlexAttention has no backward on the CPU, and its CPU forward outside
-    torch.compile materialises every score anyway).
+    On a GPU through FlexAttention with the documents' block mask (Documents.with_block_mask: built once per
+    forward outside the compiled blocks, or here for an eager caller); elsewhere through SDPA with the mask in
+    full (FlexAttention has no backward on the CPU, and its CPU forward outside torch.compile materialises every
+    score anyway).
     """
+    b, _, t, _ = q.shape
     if q.device.type != "cuda":
-        return masked_document_sdpa(q, k, v, ids)
+        return masked_document_sdpa(q, k, v, documents.ids.view(b, t))
+    block_mask = documents.block_mask if documents.block_mask is not None else documents.with_block_mask().block_mask
     if torch.compiler.is_compiling():  # inside a compiled block: compiled with it
-        return flex_document_attention(q, k, v, ids)
-    return compiled_flex_document_attention()(q, k, v, ids)  # eager FlexAttention would materialise every score
-
-
-def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """document_attention through FlexAttention (compile it for a fused kernel)."""
-
-    def causal_same_document(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
-        return (kv_idx <= q_idx) & (ids[b, q_idx] == ids[b, kv_idx])
-
-    mask = create_block_mask(causal_same_document, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-    return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
 @functools.cache
-def compiled_flex_document_attention() -> Callable[..., torch.Tensor]:
-    """flex_document_attention compiled on its own (for eager callers), made on first use: importing
-    torch.compile's machinery takes seconds."""
-    return torch.compile(flex_document_attention, dynamic=False)
+def compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    """flex_attention compiled on its own (for eager callers; eager FlexAttention would materialise every score),
+    made on first use: importing torch.compile's machinery takes seconds."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def masked_document_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

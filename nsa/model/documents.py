@@ -9,9 +9,12 @@ and CUDA graphs. See docs/design.md#packed-documents.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from .document_mask import document_block_mask
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class Documents:
     """int64 [B, T]: each token's position in its document (RoPE's positions)."""
     ids: torch.Tensor
     """int64 [B * T]: each token's document index (masks such as FlexAttention's compare them)."""
+    block_mask: BlockMask | None = None
+    """FlexAttention's mask of causal attention within these documents (with_block_mask), for dense attention on a
+    GPU; None until built."""
 
     @staticmethod
     def from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> Documents:
@@ -36,6 +42,11 @@ class Documents:
         ids = torch.searchsorted(cu, tokens, right=True) - 1
         positions = tokens - cu[ids]
         return Documents(cu_seqlens.to(torch.int32), positions.view(batch, seq_len), ids)
+
+    def with_block_mask(self) -> Documents:
+        """These documents with their FlexAttention block mask, built now: the model builds it once per forward,
+        outside the compiled blocks, for all its layers (nsa.model.document_mask)."""
+        return replace(self, block_mask=document_block_mask(self.ids.view_as(self.positions), self.positions))
 
     @property
     def starts(self) -> torch.Tensor:

@@ -99,6 +99,8 @@ class Transformer(nn.Module):
         """
         b, t = tokens.shape
         documents = None if cu_seqlens is None else Documents.from_cu_seqlens(cu_seqlens, b, t)
+        if documents is not None and self.cfg.attention == "dense" and tokens.is_cuda:
+            documents = documents.with_block_mask()  # once for every layer, before the compiled blocks
         # cos/sin [T,1,D/2] of positions 0..T-1, or [B,T,1,D/2] of each token's position in its document.
         positions = torch.arange(t, device=tokens.device) if documents is None else documents.positions
         cos, sin = self.rope(positions)

@@ -9,7 +9,11 @@ import torch.nn.functional as F
 
 from nsa.data.boundaries import padded, row_boundaries
 from nsa.model import Transformer, tiny
-from nsa.model.attention import document_attention, flex_document_attention, masked_document_sdpa
+from torch.nn.attention.flex_attention import flex_attention
+
+from nsa.model.attention import document_attention, masked_document_sdpa
+from nsa.model.document_mask import FLEX_BLOCK
+from nsa.model.documents import Documents
 from nsa.model.compression import BlockCompressor
 from nsa.model.config import NSAParams
 
@@ -102,7 +106,38 @@ def test_flex_attention_and_the_written_out_mask_attend_within_documents():
                                                              v[r:r + 1, :, a:b], is_causal=True, enable_gqa=True)[0]
     torch.testing.assert_close(masked_document_sdpa(q, k, v, ids), expected, atol=1e-6, rtol=0)
     # FlexAttention runs on the CPU without gradients (it is the GPU's path, where it also trains).
-    torch.testing.assert_close(flex_document_attention(q, k, v, ids), expected, atol=1e-6, rtol=0)
+    mask = Documents.from_cu_seqlens(CU, B, T).with_block_mask().block_mask
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask, enable_gqa=True), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("t,lengths", [
+    (300, [1, 129, 170, 128, 3, 169]),  # a 1-token document, documents across and inside blocks, a partial block
+    (384, [128, 128, 128]),  # documents on block boundaries
+    (256, [256, 5, 251, 100, 100, 56]),  # whole rows, a short one at a row's start
+    (200, [200]),
+])
+def test_the_block_mask_lists_every_seen_key_block_and_only_whole_ones_as_full(t, lengths):
+    b = sum(lengths) // t
+    cu = padded(torch.tensor([0, *lengths]).cumsum(0), b * t)
+    documents = Documents.from_cu_seqlens(cu, b, t).with_block_mask()
+    mask, ids = documents.block_mask, documents.ids.view(b, t)
+    n = -(-t // FLEX_BLOCK)
+    seen = (ids[:, :, None] == ids[:, None, :]) & torch.ones(t, t, dtype=torch.bool).tril()  # [b, t, t]
+    for row in range(b):
+        for i in range(n):
+            rows = slice(i * FLEX_BLOCK, (i + 1) * FLEX_BLOCK)
+            partial = mask.kv_indices[row, 0, i, :mask.kv_num_blocks[row, 0, i]].tolist()
+            full = mask.full_kv_indices[row, 0, i, :mask.full_kv_num_blocks[row, 0, i]].tolist()
+            for j in range(n):
+                block = seen[row, rows, j * FLEX_BLOCK:(j + 1) * FLEX_BLOCK]
+                assert (j in partial or j in full) == bool(block.any()), (row, i, j)
+                assert j not in full or bool(block.all()), (row, i, j)
+                assert not (j in partial and j in full)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(b, 4, t, 8), torch.randn(b, 2, t, 8), torch.randn(b, 2, t, 8)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask, enable_gqa=True),
+                               masked_document_sdpa(q, k, v, ids), atol=1e-5, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's kernels need a CUDA GPU (run on the GPU machine)")
@@ -118,10 +153,40 @@ def test_dense_attention_within_documents_trains_through_flex_attention_on_the_g
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
     # The gradients FlexAttention's backward gives are the written-out mask's.
     q, k, v = (torch.randn(B, h, T, 16, device="cuda", requires_grad=True) for h in (4, 2, 2))
-    ids = torch.tensor([0] * 7 + [1] + [2] * 16 + [3] * 24, device="cuda").view(B, T)
+    documents = Documents.from_cu_seqlens(CU.cuda(), B, T)
     grads = []
-    for attend in (document_attention, masked_document_sdpa):
-        out = attend(q, k, v, ids)
+    for attend in (lambda *qkv: document_attention(*qkv, documents), lambda *qkv: masked_document_sdpa(*qkv, documents.ids.view(B, T))):
+        out = attend(q, k, v)
         grads.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
     for flex, written_out in zip(*grads):
         torch.testing.assert_close(flex, written_out, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's kernels need a CUDA GPU (run on the GPU machine)")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_dense_attention_within_documents_trains_and_validates_at_a_real_shape_in_bf16(compiled):
+    """8 query / 2 key-value heads of 64, 16 rows of 2,048 tokens of documents from 1 token to a whole row, in bf16:
+    a training step, then validation without gradients (whose FlexAttention kernel differs from training's), eager
+    and with every block compiled; the validation loss is the written-out mask's."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(tiny(), attention="dense", vocab_size=256, dim=512, n_layers=2, n_heads=8,
+                              n_kv_heads=2, head_dim=64, mlp_hidden=1024)
+    m = Transformer(cfg).cuda()
+    if compiled:
+        for layer in m.layers:
+            layer.compile()
+    rows, t = 16, 2048
+    lengths = torch.randint(1, 700, (200,)).tolist()
+    cu = padded(torch.tensor([0, *lengths]).cumsum(0).clamp(max=rows * t), rows * t)
+    cu = torch.unique(torch.cat([cu, torch.arange(0, rows * t + 1, t)])).to(torch.int32)  # rows never share one
+    cu = padded(cu, rows * t).cuda()
+    x, y = (torch.randint(0, 256, (rows, t), device="cuda") for _ in range(2))
+    with torch.autocast("cuda", torch.bfloat16):
+        m(x, y, cu).backward()
+        with torch.no_grad():
+            flex = m(x, y, cu).float().item()
+    reference = Transformer(cfg)  # the same weights on the CPU, where attention writes the mask out in full
+    reference.load_state_dict({k: v.cpu() for k, v in m.state_dict().items()})
+    with torch.no_grad():
+        written_out = reference(x.cpu(), y.cpu(), cu.cpu()).item()
+    assert flex == pytest.approx(written_out, rel=1e-2)
