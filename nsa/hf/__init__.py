@@ -1,5 +1,6 @@
-"""Hugging Face interoperability: NSAConfig / NSAForCausalLM (nsa.hf.modeling, needs transformers), export to a
-Hugging Face folder (nsa.hf.export) and reading one back (nsa.hf.folder).
+"""Hugging Face interoperability: NSAConfig / NSAForCausalLM (nsa.hf.modeling, needs transformers; padded batches in
+nsa.hf.padding, the folder's remote-code files in nsa.hf.remote_code), export to a Hugging Face folder
+(nsa.hf.export) and reading one back (nsa.hf.folder).
 
 `import nsa` registers the model classes with transformers' Auto classes once transformers is imported (at once
 if it already is), so that importing nsa does not import transformers.

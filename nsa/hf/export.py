@@ -1,6 +1,7 @@
 """`nsa export RUN_OR_CHECKPOINT OUT_DIR --format hf`: a checkpoint as a Hugging Face model folder.
 
-An NSA model becomes an NSAForCausalLM folder (transformers loads it once nsa is imported); a dense model becomes a
+An NSA model becomes an NSAForCausalLM folder (transformers loads it once nsa is imported, or with
+trust_remote_code=True through the folder's configuration_nsa.py and modeling_nsa.py); a dense model becomes a
 stock LlamaForCausalLM folder that plain transformers loads (docs/interop.md has the mapping). Both get
 config.json, model.safetensors, generation_config.json and the run's tokenizer as tokenizer.json.
 """
@@ -64,7 +65,8 @@ def export_hf(checkpoint_path: str | Path, out: str | Path) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
         hf_config(cfg, int(config["train"]["seq_len"]), eot).save_pretrained(str(out))
-        GenerationConfig(bos_token_id=eot, eos_token_id=eot, do_sample=False).save_pretrained(str(out))
+        generation = GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, do_sample=False)
+        generation.save_pretrained(str(out))
         save_file(nsa_to_hf(model.state_dict(), dense=cfg.attention == "dense"), str(out / WEIGHTS_FILE),
                   metadata={"format": "pt", RUN_CONFIG_KEY: json.dumps(config), STEP_KEY: str(meta["step"])})
         save_tokenizer(tokenizer, out)

@@ -17,6 +17,8 @@ from ..inference.decode import decode_step, prefill
 from ..model import Transformer
 from ..model.config import ModelConfig
 from ..typed_config import from_dict, to_dict
+from .padding import PackedRows, next_token_targets, pack_rows
+from .remote_code import AUTO_MAP, write_remote_code
 
 
 class NSAConfig(PretrainedConfig):
@@ -45,16 +47,28 @@ class NSAConfig(PretrainedConfig):
     def model_config(self) -> ModelConfig:
         return from_dict(ModelConfig, self.nsa)
 
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
+        """config.json with an auto_map, and the two files it names (nsa.hf.remote_code): the folder then loads
+        without importing nsa first, given trust_remote_code=True."""
+        self.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        write_remote_code(save_directory)
+
 
 class NSACache(Cache):
-    """nsa's DecodeCache (raw keys/values per branch, compressed stream, selection band) for generate()."""
+    """nsa's DecodeCache (raw keys/values per branch, compressed stream, selection band) for generate().
+
+    The DecodeCache keeps each sequence's own length (a padded prompt holds only its tokens); `seen` counts the
+    columns of input_ids taken in, padding included: the sequence length generate() works with.
+    """
 
     def __init__(self, decode: DecodeCache):
         super().__init__(layers=[])
         self.decode = decode
+        self.seen = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.decode.longest
+        return self.seen
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.decode.max_len
@@ -68,8 +82,9 @@ class NSAForCausalLM(PreTrainedModel, GenerationMixin):
     """nsa.model.Transformer under `model`, as a causal language model for transformers.
 
     generate() prefills the prompts into an NSACache sized for max_position_embeddings tokens, then decodes one
-    token at a time through nsa.inference (logits equal to the full forward's). Prompts of a batch must be of one
-    length (no padding: attention_mask all ones).
+    token at a time through nsa.inference (logits equal to the full forward's). A padded batch (attention_mask with
+    zeros at the start or the end of rows) runs as packed documents (nsa.hf.padding): each row's logits and cache are
+    those of the row alone, its padding gets zero logits and no loss.
     """
 
     config_class = NSAConfig
@@ -97,27 +112,45 @@ class NSAForCausalLM(PreTrainedModel, GenerationMixin):
                 use_cache: bool | None = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
         """Logits of input_ids [B,T]; with labels, the mean next-token loss (labels shifted inside, -100 ignored);
         with use_cache, the prompts go into (or continue) an NSACache, returned as past_key_values."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("NSAForCausalLM takes no padding: give prompts of one length (attention_mask all ones)")
         if labels is not None or not use_cache:  # a plain call (use_cache None) is the full forward
-            logits = self.model(input_ids)
+            rows = pack_rows(input_ids, attention_mask)
+            logits = self._logits(input_ids, rows)
             loss = None
             if labels is not None:
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+                targets = next_token_targets(labels, rows)
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
             return CausalLMOutputWithPast(loss=loss, logits=logits)
-        cache = past_key_values if isinstance(past_key_values, NSACache) and past_key_values.decode.longest else None
+        cache = past_key_values if isinstance(past_key_values, NSACache) and past_key_values.seen else None
         if cache is None:
+            rows = pack_rows(input_ids, attention_mask)
+            self._check_room(input_ids.shape[1] if rows is None else int(rows.real.sum(1).max()))
             cache = NSACache(new_cache(self.model, input_ids.shape[0], self.config.max_position_embeddings))
-            last = prefill(self.model, input_ids, cache.decode)
-            logits = last[:, None] if logits_to_keep == 1 else self.model(input_ids)
-        else:
+            last = (prefill(self.model, input_ids, cache.decode) if rows is None
+                    else prefill(self.model, rows.tokens, cache.decode, rows.cu_seqlens))
+            logits = last[:, None] if logits_to_keep == 1 else self._logits(input_ids, rows)
+        else:  # each sequence continues at its own length; the mask's padding is already left out of the cache
+            self._check_room(cache.decode.longest + input_ids.shape[1])
             logits = torch.stack([decode_step(self.model, token, cache.decode) for token in input_ids.unbind(1)], 1)
+        cache.seen += input_ids.shape[1]
         return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def _check_room(self, tokens: int) -> None:
+        """One-line ValueError when a sequence would outgrow the decode cache (max_position_embeddings tokens)."""
+        room = self.config.max_position_embeddings
+        if tokens > room:
+            raise ValueError(f"a sequence of {tokens} tokens does not fit the decode cache of max_position_embeddings="
+                             f"{room} tokens (the trained context); load the model with max_position_embeddings="
+                             f"{tokens} or more to decode further (lm_eval: --model_args ...,max_position_embeddings=N)")
+
+    def _logits(self, input_ids: torch.Tensor, rows: PackedRows | None) -> torch.Tensor:
+        if rows is None:
+            return self.model(input_ids)
+        return rows.unpack(self.model(rows.tokens, cu_seqlens=rows.cu_seqlens))
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, past_key_values: Cache | None = None,
                                       attention_mask: torch.Tensor | None = None, **kwargs) -> dict:
         """The tokens the cache does not hold yet."""
-        if isinstance(past_key_values, NSACache) and past_key_values.decode.longest:
-            input_ids = input_ids[:, past_key_values.get_seq_length():]
+        if isinstance(past_key_values, NSACache) and past_key_values.seen:
+            input_ids = input_ids[:, past_key_values.seen:]
         return {"input_ids": input_ids, "past_key_values": past_key_values, "attention_mask": attention_mask,
                 "use_cache": kwargs.get("use_cache"), "logits_to_keep": kwargs.get("logits_to_keep", 0)}

@@ -57,6 +57,8 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
 
     backend = backend_tokenizer(tokenizer)
     eot = backend.id_to_token(tokenizer.eot_id)
-    fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eot, bos_token=eot,
+    # End-of-text doubles as padding: padded batches need a pad token, and padding is masked out, so its id does
+    # not matter.
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eot, bos_token=eot, pad_token=eot,
                                    unk_token=None, clean_up_tokenization_spaces=False)
     fast.save_pretrained(str(out))

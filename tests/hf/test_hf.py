@@ -1,12 +1,15 @@
-"""Hugging Face interoperability: NSAForCausalLM round trips, generate(), nsa export --format hf (NSA and dense as
-LlamaForCausalLM), tokenizer files, exported folders in nsa generate / eval, and model.init_from."""
+"""Hugging Face interoperability: NSAForCausalLM round trips, padded batches, generate(), nsa export --format hf (NSA
+and dense as LlamaForCausalLM, NSA loading without nsa imported), tokenizer files, exported folders in nsa generate /
+eval, and model.init_from."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
@@ -74,6 +77,49 @@ def test_save_pretrained_round_trips_bit_for_bit(tmp_path):
     assert torch.equal(model(tokens).logits, loaded(tokens).logits)
 
 
+def _padded(rows: list[torch.Tensor], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask of rows padded to one length with token 0, on the left or on the right."""
+    width = max(len(r) for r in rows)
+    ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span], mask[i, span] = row, 1
+    return ids, mask
+
+
+def test_padded_batches_compute_each_row_alone():
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(nsa=to_dict(ModelConfig(vocab_size=300, n_layers=2, init_std=0.3)),
+                                     max_position_embeddings=256)).eval()
+    rows = [torch.randint(0, 300, (n,)) for n in (150, 70, 9)]
+    with torch.no_grad():
+        alone = [model(row[None]).logits[0] for row in rows]
+        for left in (True, False):
+            ids, mask = _padded(rows, left)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            for i, expected in enumerate(alone):
+                torch.testing.assert_close(logits[i][mask[i].bool()], expected, rtol=1e-4, atol=1e-4)
+            assert not logits[~mask.bool()].any()
+        # Right padding without a mask (lm-evaluation-harness's loglikelihood batches): attention is causal.
+        logits = model(_padded(rows, left=False)[0]).logits
+        for i, expected in enumerate(alone):
+            torch.testing.assert_close(logits[i, :len(rows[i])], expected, rtol=1e-4, atol=1e-4)
+        ids, mask = _padded(rows, left=True)
+        losses = [F.cross_entropy(a[:-1], row[1:], reduction="sum") for a, row in zip(alone, rows, strict=True)]
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        torch.testing.assert_close(loss, sum(losses) / sum(len(row) - 1 for row in rows), rtol=1e-4, atol=1e-4)
+        new = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        for i, row in enumerate(rows):
+            single = model.generate(row[None], max_new_tokens=20, do_sample=False, eos_token_id=None)
+            assert new[i, ids.shape[1]:].tolist() == single[0, len(row):].tolist(), i
+    mask[1, -30] = 0  # a hole inside the row
+    with pytest.raises(ValueError, match="at the start or the end of each row"):
+        model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="does not fit the decode cache of max_position_embeddings=256 tokens"):
+        model.generate(torch.randint(0, 300, (1, 250)), max_new_tokens=10, do_sample=False, eos_token_id=None)
+
+
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
 def test_greedy_generate_equals_nsa_generate(runs, attention):
     from transformers import AutoModelForCausalLM
@@ -110,6 +156,45 @@ assert not any(name == "nsa" or name.startswith("nsa.") for name in sys.modules)
         torch.testing.assert_close(logits, ours(ids), rtol=1e-5, atol=1e-5)
 
 
+def test_nsa_folder_loads_without_importing_nsa(runs, tmp_path):
+    """trust_remote_code=True: config.json's auto_map names the folder's configuration_nsa.py and modeling_nsa.py,
+    which import the classes from nsa (or name the install line without it); the loaded model saves again into
+    such a folder."""
+    run, folder = runs["nsa"]
+    resaved = tmp_path / "resaved"
+    script = f"""
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+assert "nsa" not in sys.modules
+sys.modules["nsa"] = None  # as if nsa were not installed
+try:
+    AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+    raise AssertionError("loaded without nsa")
+except ImportError as e:
+    assert 'needs the nsa package: pip install "nsa[hf]"' in str(e), e
+del sys.modules["nsa"]
+model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+ids = AutoTokenizer.from_pretrained({str(folder)!r})({TEXT!r}, return_tensors="pt").input_ids
+model.save_pretrained({str(resaved)!r})
+with torch.no_grad():
+    torch.save((ids, model(ids).logits), {str(tmp_path / "out.pt")!r})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path,
+                   env={**os.environ, "HF_HOME": str(tmp_path / "hf-home")})  # remote code is copied under HF_HOME
+    ids, logits = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        torch.testing.assert_close(logits, load_for_inference(run, "cpu").model(ids), rtol=1e-5, atol=1e-5)
+    for saved in (folder, resaved):
+        assert json.loads((saved / "config.json").read_text())["auto_map"] == {
+            "AutoConfig": "configuration_nsa.NSAConfig", "AutoModelForCausalLM": "modeling_nsa.NSAForCausalLM"}
+        assert (saved / "configuration_nsa.py").is_file() and (saved / "modeling_nsa.py").is_file()
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(resaved).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["byte", "gpt2"])
 def test_tokenizer_files_encode_as_the_runs_tokenizer(tmp_path, name):
     from transformers import AutoTokenizer
@@ -124,6 +209,7 @@ def test_tokenizer_files_encode_as_the_runs_tokenizer(tmp_path, name):
         assert ids == ours.encode(text).tolist()
         assert hf.decode(ids) == text
     assert hf.eos_token_id == ours.eot_id and hf.convert_tokens_to_ids("<|endoftext|>") == ours.eot_id
+    assert hf.pad_token_id == ours.eot_id  # padding=True works without setting a pad token
 
 
 def test_exported_folder_serves_nsa_generate_and_eval(runs, tmp_path, capsys):
