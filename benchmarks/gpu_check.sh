@@ -37,5 +37,6 @@ python3 -m pytest -q -p no:cacheprovider \
   "tests/data/test_data_sources.py::test_prefetch_pins_batches_for_a_gpu_so_the_copy_is_queued" \
   "tests/data/test_document_boundaries.py::test_the_boundaries_are_pinned_with_the_batch_for_a_gpu" \
   "tests/inference/test_decode.py::test_packed_prompts_decode_like_each_alone_on_the_gpu_in_bf16" \
+  "tests/hf/test_hf.py::test_greedy_generate_on_the_gpu_decodes_like_the_full_forward" \
   2>&1 | tee "$out/gpu_tests.log"
 python3 -m nsa bench attention --shapes m7c,paper --lengths "$lengths" --out "$out" "$@" 2>&1 | tee "$out/bench.log"

@@ -135,6 +135,23 @@ def test_greedy_generate_equals_nsa_generate(runs, attention):
     assert len(set(expected)) > 3  # a sequence that could differ
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="generate() on the GPU (Triton decode kernels) needs a GPU")
+def test_greedy_generate_on_the_gpu_decodes_like_the_full_forward(runs):
+    """On the GPU, HF generate() through NSA's cache (Triton decode kernels) gives, at every generated position,
+    the argmax of the full forward over the tokens so far (ties aside: float32 weights, margins checked)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(runs["nsa"][1]).cuda().eval()
+    prompt = _prompt().cuda()
+    new = hf.generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        logits = hf(new).logits[0, prompt.shape[1] - 1:-1].float()  # [60, V]: the logits each new token came from
+    top2 = logits.topk(2, dim=-1)
+    clear = (top2.values[:, 0] - top2.values[:, 1]) > 1e-3
+    assert clear.sum() > 40
+    assert torch.equal(new[0, prompt.shape[1]:][clear], top2.indices[clear, 0])
+
+
 def test_dense_export_is_plain_llama_without_nsa(runs):
     run, folder = runs["dense"]
     config = json.loads((folder / "config.json").read_text())
