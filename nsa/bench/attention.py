@@ -1,7 +1,8 @@
 """`nsa bench attention`: NSA kernels against dense SDPA (flash and cuDNN) and fla-core's parallel_nsa.
 
 All numbers in one run on one GPU, bf16, batch 1 (or --batch), NSA with every branch and the gates
-(l=32, d=16, l'=64, n=16, w=512). fla's parallel_nsa runs only where its group-size
+(l=32, d=16, l'=64, n=16, w=512); per call, also the host's share of one eager call (nsa_host_fwd_ms and
+the like: issuing it while the GPU is busy). fla's parallel_nsa runs only where its group-size
 rule allows (h a power of two >= 16) and, without flash-attn, has no window branch.
 
 With --docs, packed documents (nsa.bench.mixtures): NSA with cu_seqlens against NSA unpacked at the stream's length,
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..ops import NSAGeometry, nsa_attention
 from ..plots.bench import picture
-from .common import environment, format_table, graphed, print_row, time_cuda, write_results
+from .common import environment, format_table, graphed, host_ms, print_row, time_cuda, write_results
 from .mixtures import Mixture, cu_seqlens, document_block_mask, jagged, parse_mixtures
 
 SHAPES = {"m7c": (12, 2, 64, 64), "paper": (64, 4, 128, 128)}
@@ -133,6 +134,15 @@ def _timed(fn, queued: bool = False) -> float | None:
         return None
 
 
+def _host(fn) -> float | None:
+    """host_ms of fn, or None where the call cannot run (as _timed)."""
+    try:
+        return host_ms(fn)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
 def _graphed(fn):
     """fn's CUDA-graph replay (common.graphed), or None where fn cannot be captured (a host sync inside)."""
     try:
@@ -165,11 +175,16 @@ def compare(shape: str, T: int, backward: bool, use_fla: bool, batch: int = 1, g
     fla = _fla(ins) if use_fla else None
     with torch.no_grad():
         row["nsa_fwd_ms"] = _time_as(_nsa(ins), graphs)
+        if not graphs:  # the host's share of one eager call (a replay has none to speak of)
+            row["nsa_host_fwd_ms"] = _host(_nsa(ins))
+            row["dense_host_fwd_ms"] = _host(dense[0])
         row["dense_fwd_ms"] = _time_as(dense[0], graphs)
         row["cudnn_fwd_ms"] = _time_as(cudnn[0], graphs)
         row["fla_fwd_ms"] = _time_as(fla[0], graphs) if fla else None
     if backward:
         row["nsa_fwdbwd_ms"] = _time_as(_fwd_bwd(_nsa(ins), ins), graphs)
+        if not graphs:
+            row["nsa_host_fwdbwd_ms"] = _host(_fwd_bwd(_nsa(ins), ins))
         row["dense_fwdbwd_ms"] = _time_as(_fwd_bwd(*dense), graphs)
         row["cudnn_fwdbwd_ms"] = _time_as(_fwd_bwd(*cudnn), graphs)
         row["fla_fwdbwd_ms"] = _time_as(_fwd_bwd(*fla), graphs) if fla else None
@@ -564,7 +579,7 @@ def run(shapes: list[str], lengths: list[int], out_dir: str, backward: bool = Tr
             paths = write_results(rows, out_dir, "attention", meta)  # so far: a run cut short keeps its rows
     columns = ["shape", "T", "nsa_fwd_ms", "dense_fwd_ms", "cudnn_fwd_ms", "fla_fwd_ms", "speedup_fwd", "vs_cudnn_fwd",
                "nsa_fwdbwd_ms", "dense_fwdbwd_ms", "cudnn_fwdbwd_ms", "fla_fwdbwd_ms", "speedup_fwdbwd",
-               "vs_cudnn_fwdbwd", "vs_fla_fwdbwd"]
+               "vs_cudnn_fwdbwd", "vs_fla_fwdbwd", "nsa_host_fwd_ms", "dense_host_fwd_ms", "nsa_host_fwdbwd_ms"]
     if rows:
         print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
         paths += picture(rows, meta, Path(out_dir) / "attention.png")

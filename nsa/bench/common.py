@@ -49,6 +49,23 @@ def time_cuda(fn, *, warmup: int = 2, min_reps: int = 3, max_reps: int = 50, bud
     return statistics.median(times)
 
 
+def host_ms(fn, *, reps: int = 20, gpu_busy_s: float = 0.5) -> float:
+    """Median milliseconds the host spends issuing one call of fn(), the GPU kept busy meanwhile (a queued spin
+    kernel), so that no call waits for the GPU: Python, dispatch, autograd and kernel launches alone. Against
+    time_cuda's per-call time it tells whether a call is paced by the host or by the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    rate_hz = torch.cuda.get_device_properties(torch.cuda.current_device()).clock_rate * 1e3  # kHz -> Hz
+    torch.cuda._sleep(int(rate_hz * gpu_busy_s))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def profile_to_file(fn, path: Path, *, repeats: int = 1, rows: int = 40) -> int:
     """fn() `repeats` times under the PyTorch profiler; writes its ops by self device time (CPU time without a
     GPU) as a text table with the kernels launched per call first, and returns that count (0 on a CPU)."""

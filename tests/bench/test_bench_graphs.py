@@ -28,13 +28,19 @@ def recorded(monkeypatch):
         times = {"nsa": 1.0, "dense": 2.0, "cudnn": 1.5, "fla": 3.0}
         return times[(fn[1] if isinstance(fn, tuple) else fn).split("+")[0]]
 
+    def host(fn):
+        calls.setdefault("host", []).append(fn)
+        return 0.5
+
     monkeypatch.setattr(bench, "_graphed", graphed)
     monkeypatch.setattr(bench, "_timed", timed)
+    monkeypatch.setattr(bench, "_host", host)
     return calls
 
 
 def test_graphs_time_replays_of_every_call(recorded):
     row = bench.compare("paper", 2048, backward=True, use_fla=True, graphs=True)
+    assert "host" not in recorded and "nsa_host_fwd_ms" not in row  # a replay has no host time to speak of
     fns = ["nsa", "dense", "cudnn", "fla", "nsa+bwd", "dense+bwd", "cudnn+bwd", "fla+bwd"]
     assert recorded["graphed"] == fns
     assert recorded["timed"] == [("replay", f) for f in fns if f != "fla+bwd"]
@@ -47,6 +53,9 @@ def test_without_graphs_nothing_is_captured(recorded):
     assert recorded["graphed"] == []
     assert recorded["timed"] == ["nsa", "dense", "cudnn", "fla", "nsa+bwd", "dense+bwd", "cudnn+bwd", "fla+bwd"]
     assert row["speedup_fwdbwd"] == 2.0 and row["vs_cudnn_fwdbwd"] == 1.5
+    # Each eager call's host time too: NSA's forward and forward+backward, dense's forward.
+    assert recorded["host"] == ["nsa", "dense", "nsa+bwd"]
+    assert row["nsa_host_fwd_ms"] == row["dense_host_fwd_ms"] == row["nsa_host_fwdbwd_ms"] == 0.5
 
 
 def test_gpu_busy_time_is_the_union_of_kernels_and_counts_only_long_gaps():
@@ -106,3 +115,25 @@ def test_a_graphed_call_keeps_what_its_graph_reads_alive(monkeypatch):
     del replay
     gc.collect()
     assert alive() is None  # held by the replay, not leaked
+
+
+def test_host_time_is_the_issuing_of_a_call_while_the_gpu_is_busy(monkeypatch):
+    """host_ms times only the host's part of a call: the GPU is given a long spin first (so nothing waits on it)
+    and synchronised only after the timed calls."""
+    import time
+
+    from nsa.bench import common
+
+    events = []
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda: events.append("sync"))
+    monkeypatch.setattr(common.torch.cuda, "_sleep", lambda cycles: events.append(("spin", cycles)))
+    monkeypatch.setattr(common.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(common.torch.cuda, "get_device_properties", lambda i: type("P", (), {"clock_rate": 1_000})())
+
+    def call():
+        events.append("call")
+        time.sleep(0.002)
+
+    ms = common.host_ms(call, reps=5, gpu_busy_s=0.5)
+    assert 1.5 < ms < 20
+    assert events == ["call", "sync", ("spin", 500_000)] + ["call"] * 5 + ["sync"]
