@@ -18,11 +18,13 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nsa.ops.triton import compression, decode, inverse_index, query_grad, selected_attention, selection, span_attention
+from nsa.ops.triton.common import dot_precision
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 DIMS = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64)
@@ -119,8 +121,9 @@ KERNELS = {
 
 def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
     kernel, consts, pointers, floats = KERNELS[name]
-    consts = consts | overrides
     names = list(kernel.arg_names)
+    # The products' precision of bf16 inputs, for the kernels that take one (nsa.ops.triton.common.dot_precision).
+    consts = ({"DOT_PRECISION": dot_precision(torch.bfloat16)} if "DOT_PRECISION" in names else {}) | consts | overrides
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in floats else "i32") for n in names}
     divisible = (DIVISIBLE | ({"NK"} if consts.get("MODE", 0) else set())) - (
         {"sit", "sig"} if consts.get("MODE") == 2 else set())  # MODE_SEL's chosen bits are [B,T,G] int64

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from nsa.ops.geometry import num_compressed_blocks
@@ -55,6 +58,29 @@ def assert_same_selection(idx, ref_idx, scores, rtol=1e-5):
         only_want = s[sorted(want - got)]
         gap = (only_got.min() - only_want.max()).abs().item() if len(only_got) else 0.0
         assert gap <= rtol * s.max().item() + 1e-12, (b, t, g, sorted(got), sorted(want), gap)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(allowed: bool) -> Iterator[None]:
+    """Inside, PyTorch allows TF32 in float32 CUDA matmuls or not; afterwards its settings are as they were:
+    torch.backends.cuda.matmul.fp32_precision and the global torch.backends.fp32_precision, which sets it too
+    (restored first), or before PyTorch 2.9 allow_tf32. Once fp32_precision has been set, reading allow_tf32
+    raises, so it is not read where fp32_precision exists."""
+    matmul = torch.backends.cuda.matmul
+    if getattr(matmul, "fp32_precision", None) is None:
+        saved = matmul.allow_tf32
+        matmul.allow_tf32 = allowed
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = saved
+        return
+    saved = torch.backends.fp32_precision, matmul.fp32_precision
+    matmul.fp32_precision = "tf32" if allowed else "ieee"
+    try:
+        yield
+    finally:
+        torch.backends.fp32_precision, matmul.fp32_precision = saved
 
 
 class LaunchSpy:

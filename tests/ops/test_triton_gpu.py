@@ -1,12 +1,12 @@
-"""The Triton and Gluon kernels on a GPU at real shapes in bf16 (skipped without CUDA; benchmarks/gpu_check.sh
-runs them on a GPU)."""
+"""The Triton and Gluon kernels on a GPU at real shapes in bf16, and in float32 against float64 (skipped without
+CUDA; benchmarks/gpu_check.sh runs them on a GPU)."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from helpers import NAMES, assert_same_selection, nsa_inputs
+from helpers import NAMES, assert_same_selection, nsa_inputs, tf32_matmuls
 from nsa.ops import NSAGeometry, dispatch, nsa_attention, reference, select_blocks
 from nsa.ops.branches import MODE_SEL
 from nsa.ops.triton.inverse_index import build_inverse_index
@@ -56,6 +56,38 @@ def test_bf16_kernels_match_the_float32_reference(name, T):
     for grad_name, g, r in zip(NAMES, grads, ref_grads):
         assert torch.isfinite(g).all(), grad_name
         assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
+
+
+@pytest.mark.parametrize(
+    "name,T",
+    # M7C at 4096 tokens (64 blocks): the selected forward tiled, its backward block-centric; groups of 16 at 8192
+    # tokens: the selected forward and dQ per query.
+    [("m7c", 4096), ("paper", 8192)],
+)
+def test_float32_kernels_match_the_float64_reference_unless_tf32_is_allowed(name, T):
+    # Float32 inputs multiply in float32 unless PyTorch allows TF32 (nsa.ops.triton.common.dot_precision): then the
+    # output and every gradient are float32-accurate, and the selection is the float64 reference's except where two
+    # blocks' scores tie within float32's resolution (these inputs hold such ties, within 1e-7). With TF32
+    # allowed, the kernels multiply in TF32, like PyTorch's matmuls, to bf16's tolerances.
+    H, G, Dk, Dv = SHAPES[name]
+    ins = [t.cuda().requires_grad_() for t in nsa_inputs(1, T, H, G, Dk, Dv, block_len=32, block_stride=16, seed=T)]
+    f64 = [t.detach().double().requires_grad_() for t in ins]
+    ref_idx = reference.select_blocks(f64[0], f64[1], **SELECT_HP)
+    scores = reference.selection_scores(f64[0], f64[1], block_len=32, block_stride=16, sel_block=64)
+    do = torch.randn(*ins[0].shape[:3], Dv, device="cuda", dtype=torch.float64)
+    for tf32, sel_tol, out_tol, grad_tol in ((False, 1e-5, 1e-4, 1e-4), (True, 1e-3, 1e-2, 2e-2)):
+        with tf32_matmuls(tf32):
+            idx = select_blocks(ins[0], ins[1], **SELECT_HP, backend="triton")
+            out = nsa_attention(*ins, **HP, backend="triton")
+            grads = torch.autograd.grad(out, ins, do.float())
+        assert_same_selection(idx, ref_idx, scores, rtol=sel_tol)
+        assert (idx != ref_idx).any(-1).float().mean() < 0.01, "more than 1% of selections differ"
+        # On the kernel's own selection, so that a swap of near-tied blocks does not count as an error.
+        ref = reference.nsa_attention(*f64, **HP, indices=idx)
+        assert rel_err(out, ref) < out_tol, (tf32, rel_err(out, ref))
+        for grad_name, g, r in zip(NAMES, grads, torch.autograd.grad(ref, f64, do)):
+            assert torch.isfinite(g).all(), (tf32, grad_name)
+            assert rel_err(g, r) < grad_tol, (tf32, grad_name, rel_err(g, r))
 
 
 @pytest.mark.parametrize("name,B,T", [("m7c", 4, 8192), ("m7c", 1, 65536), ("paper", 1, 16384)])

@@ -2,7 +2,8 @@
 
 Without a GPU these run in Triton's CPU interpreter (tests/conftest.py), whose cost
 grows with the number of programs, so the shapes are tiny. With a GPU the same tests
-run the compiled kernels (fp32 dots then use tf32, hence the looser tolerance).
+run the compiled kernels, at a looser tolerance: their float32 products are TF32 wherever PyTorch allows it (the
+trainer does, on a GPU).
 """
 
 import pytest

@@ -6,7 +6,7 @@
   row or packed documents (nsa.ops.packing's tables, behind the PACKED flag);
 - Eq. 9 and ranking: block overlaps and the running top-K merge of the selection and decode kernels;
 - search: a binary search over a sorted array (the inverse index's items);
-- launch: tile sizes, widths, the GPU's SM count and PyTorch's deterministic mode.
+- launch: tile sizes, widths, the products' precision, the GPU's SM count and PyTorch's deterministic mode.
 
 Grouped-query packing: a program's rows are consecutive (token, head) pairs of one key/value group, row r <->
 token r // h, head r % h. Any group size h fills the matrix units without padding, and every loaded key/value tile
@@ -56,9 +56,10 @@ def load_grad_rows(DO, LSE, DELTA, do_off, lse_off, dv, row_ok, DV: tl.constexpr
 
 
 @triton.jit
-def softmax_step(s, v, m_i, l_i, acc, scale_log2, pick, PICK: tl.constexpr):
+def softmax_step(s, v, m_i, l_i, acc, scale_log2, pick, PICK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax update for raw scores s (-inf where masked) over values v; m_i in log2 units. With PICK,
-    only the rows where `pick` holds take part (the others' p is 0: exponents against +inf).
+    only the rows where `pick` holds take part (the others' p is 0: exponents against +inf). DOT_PRECISION: the
+    precision of the product P.V (dot_precision).
 
     The scale enters the exponent's FMA (and the row maximum once, scale > 0), and the row choice a per-row
     operand, instead of a multiply and a select over the tile: two instructions fewer per score."""
@@ -70,7 +71,8 @@ def softmax_step(s, v, m_i, l_i, acc, scale_log2, pick, PICK: tl.constexpr):
     m_exp = tl.where(pick, m_safe, float("inf")) if PICK else m_safe
     p = tl.exp2(s * scale_log2 - m_exp[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_new, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -302,6 +304,24 @@ def dot_width(n: int) -> int:
 def head_dims(dk: int, dv: int) -> dict:
     """Constexpr head dims and their power-of-two tile widths (at least 16 for tl.dot)."""
     return dict(DK=dk, DV=dv, BLOCK_DK=dot_width(dk), BLOCK_DV=dot_width(dv))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The DOT_PRECISION constexpr of the kernels' products (tl.dot's input_precision) on inputs of `dtype`.
+
+    Float32 follows PyTorch's rule for its own float32 matmuls on CUDA: full float32 products ("ieee") unless
+    PyTorch allows TF32, then "tf32". The setting is torch.backends.cuda.matmul.fp32_precision (what
+    torch.backends.cuda.matmul.allow_tf32 = True, torch.set_float32_matmul_precision("high") and
+    torch.backends.fp32_precision = "tf32" set too), or before PyTorch 2.9 allow_tf32. 16-bit inputs get "tf32",
+    Triton's default, which their products do not read: their kernels compile as they would without it. Read at
+    each launch, so a kernel compiles once per precision."""
+    if dtype != torch.float32:
+        return "tf32"
+    matmul = torch.backends.cuda.matmul
+    # Once fp32_precision has been set, reading allow_tf32 raises: it is read only where fp32_precision is absent.
+    setting = getattr(matmul, "fp32_precision", None)
+    allowed = matmul.allow_tf32 if setting is None else setting == "tf32"
+    return "tf32" if allowed else "ieee"
 
 
 def num_sms(device: torch.device) -> int:

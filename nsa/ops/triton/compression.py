@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..packing import CompressionLayout
 from ..tuning import TUNING
-from .common import deterministic, dot_width, num_sms
+from .common import deterministic, dot_precision, dot_width, num_sms
 
 
 def phi_mlp_supports(block_len: int, block_stride: int) -> bool:
@@ -58,7 +58,8 @@ def _pick(which, first, second):
 @triton.jit
 def _phi_fwd_kernel(X0, X1, POS0, POS1, W1_0, W1_1, W2_0, W2_1, OUT, HID, ROW_START, sxb0, sxt0, sxg0, sxb1, sxt1,
                     sxg1, B, T, n_blocks, G, stride, L: tl.constexpr, D: tl.constexpr, H: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, PACKED: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, PACKED: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """With PACKED, row i compresses the block that starts at token ROW_START[i]; rows that hold none (start T)
     get out = 0 and h = 0."""
     which = tl.program_id(2)
@@ -91,21 +92,22 @@ def _phi_fwd_kernel(X0, X1, POS0, POS1, W1_0, W1_1, W2_0, W2_1, OUT, HID, ROW_ST
         total += xj
         pos = tl.load(POS + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
         w1 = tl.load(W1 + hh[None, :] * (L * D) + j * D + d[:, None], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
-        acc = tl.dot((xj + pos[None, :]).to(W1.dtype.element_ty), w1, acc)
+        acc = tl.dot((xj + pos[None, :]).to(W1.dtype.element_ty), w1, acc, input_precision=DOT_PRECISION)
     if PACKED:
         acc = tl.where(live[:, None], acc, 0.0)  # with total = 0, out = 0: silu(0) = 0
     out_rows = (((which * B + b) * n_blocks + i) * G + g).to(tl.int64)
     tl.store(HID + out_rows[:, None] * H + hh[None, :], acc, mask=ok[:, None] & h_ok[None, :])
     s = acc * tl.sigmoid(acc)
     w2t = tl.load(W2 + d[None, :] * H + hh[:, None], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    out = total / L + tl.dot(s.to(X.dtype.element_ty), w2t.to(X.dtype.element_ty))
+    out = total / L + tl.dot(s.to(X.dtype.element_ty), w2t.to(X.dtype.element_ty), input_precision=DOT_PRECISION)
     tl.store(OUT + out_rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _phi_bwd_rows_kernel(DY, HID, W2_0, W2_1, DH, DH_SUM, DW2, ROW_START, n_rows, n_slots, T, n_blocks, G,
                          D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr, PACKED: tl.constexpr):
+                         BLOCK_M: tl.constexpr, ATOMIC: tl.constexpr, PACKED: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
     """dh = (dy W2) * silu'(h); its column sum over this program's rows into DH_SUM[set, program]; and fc2's
     weight gradient dy^T silu(h) over them, added into DW2[set, 0] (ATOMIC) or written to DW2[set, program].
     With PACKED, rows that hold no compressed token (ROW_START T) read dy = 0, so their dh is 0."""
@@ -124,7 +126,7 @@ def _phi_bwd_rows_kernel(DY, HID, W2_0, W2_1, DH, DH_SUM, DW2, ROW_START, n_rows
     h_ok = hh < H
     dy = tl.load(DY + rows[:, None] * D + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
     w2 = tl.load(W2 + d[:, None] * H + hh[None, :], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
-    ds = tl.dot(dy, w2.to(dy.dtype))
+    ds = tl.dot(dy, w2.to(dy.dtype), input_precision=DOT_PRECISION)
     mask = ok[:, None] & h_ok[None, :]
     h = tl.load(HID + rows[:, None] * H + hh[None, :], mask=mask, other=0.0)
     sig = tl.sigmoid(h)
@@ -132,7 +134,7 @@ def _phi_bwd_rows_kernel(DY, HID, W2_0, W2_1, DH, DH_SUM, DW2, ROW_START, n_rows
     tl.store(DH + rows[:, None] * H + hh[None, :], dh, mask=mask)
     program = which * tl.num_programs(0) + tl.program_id(0)
     tl.store(DH_SUM + program * H + hh, tl.sum(dh.to(tl.float32), 0), mask=h_ok)
-    dw2 = tl.dot(tl.trans(dy), (h * sig).to(dy.dtype))  # rows past the end have dy = 0
+    dw2 = tl.dot(tl.trans(dy), (h * sig).to(dy.dtype), input_precision=DOT_PRECISION)  # rows past the end: dy = 0
     off = d[:, None] * H + hh[None, :]
     if ATOMIC:
         tl.atomic_add(DW2 + which * n_slots * (D * H) + off, dw2, mask=d_ok[:, None] & h_ok[None, :], sem="relaxed")
@@ -153,7 +155,7 @@ def _block_rows(DH, DY, b, blk, g, n_blocks, G, hh, d, h_ok, d_ok, valid, H: tl.
 def _phi_bwd_tokens_kernel(DH, DY, W1_0, W1_1, DX0, DX1, CHUNK_START, DOC_START, DOC_END, CMP_START, sdb, sdt, sdg,
                            B, T, n_blocks, n_chunks, G, stride, L: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                            H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
-                           PACKED: tl.constexpr):
+                           PACKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dx for the tokens of BLOCK_C chunks of `stride` tokens: chunk c lies in blocks c (at positions 0..d-1) and,
     with R = 2, c - 1 (at positions d..2d-1). With PACKED, chunks are cut inside each document (CHUNK_START): the
     document's chunk k lies in its blocks k and k - 1, which exist below its block count, at rows CMP_START + k
@@ -194,11 +196,11 @@ def _phi_bwd_tokens_kernel(DH, DY, W1_0, W1_1, DX0, DX1, CHUNK_START, DOC_START,
     x_base = DX + b * sdb + g * sdg
     for j in range(stride):
         w1 = tl.load(W1 + hh[:, None] * (L * D) + j * D + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        dx = tl.dot(dh0, w1.to(dh0.dtype), mean_part)
+        dx = tl.dot(dh0, w1.to(dh0.dtype), mean_part, input_precision=DOT_PRECISION)
         if R == 2:
             w1b = tl.load(W1 + hh[:, None] * (L * D) + (j + stride) * D + d[None, :],
                           mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-            dx = tl.dot(dh1, w1b.to(dh1.dtype), dx)
+            dx = tl.dot(dh1, w1b.to(dh1.dtype), dx, input_precision=DOT_PRECISION)
         if PACKED:
             t = first + j
             t_ok = t < end
@@ -213,7 +215,8 @@ def _phi_bwd_tokens_kernel(DH, DY, W1_0, W1_1, DX0, DX1, CHUNK_START, DOC_START,
 def _phi_bwd_w1_kernel(DH, X0, X1, POS0, POS1, W1_0, W1_1, DH_SUM, DW1, DPOS, ROW_START, sxb0, sxt0, sxg0, sxb1,
                        sxt1, sxg1, n_rows, rows_per_split, n_sums, T, n_blocks, G, stride, L: tl.constexpr,
                        D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, PACKED: tl.constexpr):
+                       BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, PACKED: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
     """For token position j, over this split's blocks: fc1's weight gradient dh^T (x[block's j-th token] + pos_j)
     (fc1's input as the forward rounded it) into DW1[set, split, :, j*D:(j+1)*D], or with ATOMIC added into split
     0's. Split 0 also writes pos_j's gradient (colsum dh) W1_j from the row kernel's n_sums column sums. With
@@ -248,7 +251,7 @@ def _phi_bwd_w1_kernel(DH, X0, X1, POS0, POS1, W1_0, W1_1, DH_SUM, DW1, DPOS, RO
             live = ok
             x_off = b * sxb + (i * stride + j).to(tl.int64) * sxt + g * sxg
         x = tl.load(X + x_off[:, None] + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(dht, (x + pos[None, :]).to(dht.dtype), acc)  # rows past the end meet dh = 0
+        acc = tl.dot(dht, (x + pos[None, :]).to(dht.dtype), acc, input_precision=DOT_PRECISION)  # dh = 0 past the end
     off = hh[:, None] * (L * D) + j * D + d[None, :]
     w_mask = h_ok[:, None] & d_ok[None, :]
     slots = 1 if ATOMIC else tl.num_programs(1)
@@ -301,7 +304,7 @@ def phi_mlp_forward(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Te
     _phi_fwd_kernel[grid](x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid, row_start,
                           *x0.stride()[:3], *x1.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len, D=D,
                           H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, PACKED=row_start is not None,
-                          num_warps=TUNING.phi_warps)
+                          DOT_PRECISION=dot_precision(x0.dtype), num_warps=TUNING.phi_warps)
     return out, hid
 
 
@@ -334,6 +337,7 @@ def phi_mlp_backward(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Ten
     T, D = x0.shape[1], x0.shape[3]
     n_rows = B * n_blocks * G
     packed = row_start is not None
+    precision = dot_precision(x0.dtype)
     block_m, block_d, block_h = _launch_shape(x0, H)
     row_programs = triton.cdiv(n_rows, block_m)
     splits = _splits(n_rows, block_len, sets, x0)
@@ -348,7 +352,7 @@ def phi_mlp_backward(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Ten
     dh_sums = x0.new_empty(sets, row_programs, H, dtype=torch.float32)
     _phi_bwd_rows_kernel[(row_programs, sets)](dy, hid, w2_0, w2_1, dh, dh_sums, dw2, row_start, n_rows, w2_slots, T,
                                                n_blocks, G, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
-                                               BLOCK_M=block_m, ATOMIC=atomic, PACKED=packed,
+                                               BLOCK_M=block_m, ATOMIC=atomic, PACKED=packed, DOT_PRECISION=precision,
                                                num_warps=TUNING.phi_warps)
     dx0 = torch.empty_like(x0)
     dx1 = torch.empty_like(x1) if sets == 2 else x0.new_empty(0)
@@ -359,13 +363,13 @@ def phi_mlp_backward(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Ten
                                  chunk_start, doc_start, doc_end, cmp_start, *dx0.stride()[:3], B, T, n_blocks,
                                  n_chunks, G, block_stride, L=block_len, R=block_len // block_stride, D=D, H=H,
                                  BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_C=block_m, PACKED=packed,
-                                 num_warps=TUNING.phi_warps)
+                                 DOT_PRECISION=precision, num_warps=TUNING.phi_warps)
     _phi_bwd_w1_kernel[(block_len, splits, sets)](dh, x0, x1, pos0, pos1, w1_0, w1_1, dh_sums, dw1, dpos, row_start,
                                                   *x0.stride()[:3], *x1.stride()[:3], n_rows,
                                                   triton.cdiv(n_rows, splits), row_programs, T, n_blocks, G,
                                                   block_stride, L=block_len, D=D, H=H, BLOCK_D=block_d,
                                                   BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic, PACKED=packed,
-                                                  num_warps=TUNING.phi_warps)
+                                                  DOT_PRECISION=precision, num_warps=TUNING.phi_warps)
     dw1, dw2 = (g[:, 0] if g.shape[1] == 1 else g.sum(1) for g in (dw1, dw2))
     return dx0, dx1, *(g.to(w.dtype) for g, w in ((dpos, pos0), (dw1, w1_0), (dw2, w2_0)))
 

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ..geometry import NSAGeometry
 from ..tuning import TUNING
-from .common import LOG2E, load_tile, merge_top, num_sms, overlap, store_tile
+from .common import LOG2E, dot_precision, load_tile, merge_top, num_sms, overlap, store_tile
 from .selection import stencil_rank
 
 
@@ -45,7 +45,7 @@ def _chunk_kernel(
     G, h, NCH, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, CPP: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(1)
     b = (pid // G).to(tl.int64)
@@ -60,7 +60,7 @@ def _chunk_kernel(
     for c in tl.range(c0, tl.minimum(c0 + CPP, NCH), num_stages=STAGES):
         _chunk_partial(c, q, row_ok, KC, VC, PM, PL, PACC, PSC, b * scb + g * scg, sct, pid, nc, NCH,
                        scale_log2, block_len, block_stride, sel_block, chunk_tokens, DK, DV, BLOCK_DK, BLOCK_DV,
-                       HP, K, C, R)
+                       HP, K, C, R, DOT_PRECISION)
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _chunk_partial(
     c, q, row_ok, KC, VC, PM, PL, PACC, PSC, base, sct, pid, nc, NCH,
     scale_log2, block_len, block_stride, sel_block, chunk_tokens,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
+    HP: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Chunk c's partial softmax and Eq. 9 contributions (see A in the module docstring)."""
     dk, dv, rh = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV), tl.arange(0, HP)
@@ -79,11 +79,11 @@ def _chunk_partial(
     off = ci.to(tl.int64) * sct
     # Values are loaded with the keys, before the scores: one memory round trip a program, not two.
     k, v = load_tile(KC + base, off, dk, ci_ok, DK), load_tile(VC + base, off, dv, ci_ok, DV)
-    s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
+    s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2).to(tl.float32)
     s = tl.where(ci_ok[None, :] & row_ok[:, None], s, float("-inf"))
     m = tl.max(s, 1)
     p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-    acc = tl.dot(p.to(v.dtype), v)
+    acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
 
     jj = tl.arange(0, K)
     # Exact fp32 products: the ranking must match the reference's. (Scores are cast to fp32 above:
@@ -307,7 +307,7 @@ def _span_kernel(
     sqb, sqh, ssb, sst, ssg, swb, swt, swg, sib, sig,
     G, h, NP, scale_log2, sel_block, n_sel, window,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HP: tl.constexpr, BLOCK_N: tl.constexpr,
+    HP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i = tl.program_id(0)
     pid = tl.program_id(1)
@@ -330,14 +330,15 @@ def _span_kernel(
     ok = (tok < stop) & (tok <= t)
     off = tok.to(tl.int64) * stride
     k, v = load_tile(kp, off, dk, ok, DK), load_tile(vp, off, dv, ok, DV)  # both before the scores, as above
-    s = (tl.dot(q, tl.trans(k)) * scale_log2).to(tl.float32)
+    s = (tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2).to(tl.float32)
     s = tl.where(ok[None, :] & row_ok[:, None], s, float("-inf"))
     m = tl.max(s, 1)
     p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
     row = (pid * NP + i).to(tl.int64) * HP + rh
     tl.store(PM + row, m, mask=row_ok)
     tl.store(PL + row, tl.sum(p, 1), mask=row_ok)
-    tl.store(PACC + row[:, None] * BLOCK_DV + dv[None, :], tl.dot(p.to(v.dtype), v), mask=row_ok[:, None])
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    tl.store(PACC + row[:, None] * BLOCK_DV + dv[None, :], pv, mask=row_ok[:, None])
     tl.store(PR + pid * NP + i, tl.sum(ok.to(tl.int32)))
 
 
@@ -429,6 +430,7 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     # those exchanges go through shared memory (one warp spills).
     rank_warps = dict(num_warps=2 if q.is_cuda else 1)
     scale_log2 = scale * LOG2E
+    precision = dot_precision(q.dtype)
 
     R = stencil_rank(block_len, block_stride, sel_block)
     cpp = _chunks_per_program(n_chunks, bg, q.device)
@@ -437,7 +439,7 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         G, h, n_chunks, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
         **dims, HP=HP, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), R=R, CPP=cpp,
-        STAGES=TUNING.decode_chunk_stages, **warps)
+        STAGES=TUNING.decode_chunk_stages, DOT_PRECISION=precision, **warps)
     CT = 8  # chunks per ranking tile
     n_groups = triton.cdiv(n_chunks, CT)
     if n_groups > 1:
@@ -459,7 +461,7 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
         q, k_sel, v_sel, k_win, v_win, positions, selected, sm, sl, sacc, sreads, q.stride(0), q.stride(1),
         k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
         selected.stride(0), selected.stride(1), G, h, n_parts, scale_log2, sel_block, n_sel, window,
-        **dims, HP=HP, BLOCK_N=BLOCK_N, **warps)
+        **dims, HP=HP, BLOCK_N=BLOCK_N, DOT_PRECISION=precision, **warps)
     dvt = min(16, dims["BLOCK_DV"])
     _combine_kernel[(bg, dims["BLOCK_DV"] // dvt)](
         gates, n_cmp, ocmp, sm, sl, sacc, sreads, o, reads, gates.stride(0), gates.stride(1), gates.stride(2),

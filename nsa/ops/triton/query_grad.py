@@ -29,31 +29,32 @@ from ..branches import MODE_SEL, SEL_PARTS, SEL_TILED, SelectedDQ
 from ..geometry import NSAGeometry
 from ..packing import PackedLayout
 from ..tuning import TUNING
-from .common import (LOG2E, head_dims, key_plan, key_step, load_tile, one_block, picked, picked_rows, program_rows,
-                     store_tile, tile_sizes, visible)
+from .common import (LOG2E, dot_precision, head_dims, key_plan, key_step, load_tile, one_block, picked, picked_rows,
+                     program_rows, store_tile, tile_sizes, visible)
 
 
 @triton.jit
 def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block,
              doc_key, dk, dv, scale_log2, dq, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
-             PACKED: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
+             PACKED: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
     """dq plus the (unscaled) dQ over key steps [first, last) of one branch; MASKED applies each row's range.
     PACKED, MODE_SEL: unmasked steps lie in one document, whose first key is doc_key."""
     for start in range(first, last, BLOCK_N):
         kidx, k, v = key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK, DV, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MODE == 2 and ONE_BLOCK:
-            p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 -
-                        tl.where(picked_rows(chosen, start, sel_block), lse2, float("inf"))[:, None])
+            p = tl.exp2(s * scale_log2 - tl.where(picked_rows(chosen, start, sel_block), lse2, float("inf"))[:, None])
         else:
-            p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])
+            p = tl.exp2(s * scale_log2 - lse2[:, None])
         if MASKED:
             p = tl.where(visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK, PACKED), p, 0.0)
         elif MODE == 2 and PACKED:
             p = tl.where(picked(chosen, kidx - doc_key, sel_block), p, 0.0)
         elif MODE == 2 and not ONE_BLOCK:
             p = tl.where(picked(chosen, kidx, sel_block), p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -61,7 +62,8 @@ def _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, first, last
 def _branch_dq(q, do, dq, LSE, DELTA, lse_off, row_ok, K, V, k_base, v_base, skt, svt, NK, pid_m, b, g, t, T,
                h: tl.constexpr, IDX, sib, sit, sig, block_len, block_stride, window, sel_block, dk, dv, scale_log2,
                DOC_START, CMP_START, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr, PACKED: tl.constexpr,
-               DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     """dq plus one range branch's (unscaled) dQ for the program's rows."""
     lse2 = tl.load(LSE + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
@@ -69,11 +71,14 @@ def _branch_dq(q, do, dq, LSE, DELTA, lse_off, row_ok, K, V, k_base, v_base, skt
                                                               block_len, block_stride, window, BLOCK_M, BLOCK_N,
                                                               PACKED, DOC_START, CMP_START)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen,
-                  sel_block, doc_key, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_N)
+                  sel_block, doc_key, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_N,
+                  DOT_PRECISION)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, a, e, lo, hi, row_ok, chosen,
-                  sel_block, doc_key, dk, dv, scale_log2, dq, False, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_N)
+                  sel_block, doc_key, dk, dv, scale_log2, dq, False, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_N,
+                  DOT_PRECISION)
     dq = _dq_keys(q, do, lse2, delta, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen,
-                  sel_block, doc_key, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_N)
+                  sel_block, doc_key, dk, dv, scale_log2, dq, True, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_N,
+                  DOT_PRECISION)
     return dq
 
 
@@ -88,6 +93,7 @@ def _query_grad_kernel(
     HAS_CMP: tl.constexpr, HAS_WIN: tl.constexpr, SEL: tl.constexpr, NP: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr, PACKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b, g, row_ok, t, head = program_rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
@@ -102,17 +108,17 @@ def _query_grad_kernel(
         dq = _branch_dq(q, do, dq, LSE_C, DELTA_C, lse_off, row_ok, KC, VC, b * skcb + g * skcg, b * svcb + g * svcg,
                         skct, svct, NC, pid_m, b, g, t, T, h, SEL_IDX, sib, sit, sig, block_len, block_stride,
                         window, sel_block, dk, dv, scale_log2, DOC_START, CMP_START, 0, ONE_BLOCK, PACKED,
-                        DK, DV, BLOCK_M, BLOCK_N)
+                        DK, DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
     if HAS_WIN:
         dq = _branch_dq(q, do, dq, LSE_W, DELTA_W, lse_off, row_ok, KW, VW, b * skwb + g * skwg, b * svwb + g * svwg,
                         skwt, svwt, T, pid_m, b, g, t, T, h, SEL_IDX, sib, sit, sig, block_len, block_stride,
                         window, sel_block, dk, dv, scale_log2, DOC_START, CMP_START, 1, ONE_BLOCK, PACKED,
-                        DK, DV, BLOCK_M, BLOCK_N)
+                        DK, DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
     if SEL == 1:
         dq = _branch_dq(q, do, dq, LSE_S, DELTA_S, lse_off, row_ok, KS, VS, b * sksb + g * sksg, b * svsb + g * svsg,
                         skst, svst, T, pid_m, b, g, t, T, h, SEL_IDX, sib, sit, sig, block_len, block_stride,
                         window, sel_block, dk, dv, scale_log2, DOC_START, CMP_START, 2, ONE_BLOCK, PACKED,
-                        DK, DV, BLOCK_M, BLOCK_N)
+                        DK, DV, BLOCK_M, BLOCK_N, DOT_PRECISION)
     dq = dq * scale
     # The selected branch's ready-made share last, so that none of it is live through the loops above.
     if SEL == 2:
@@ -167,5 +173,5 @@ def launch(q: torch.Tensor, do: torch.Tensor, dq: torch.Tensor, lse_g: torch.Ten
         geometry.block_stride, geometry.window, geometry.sel_block, HAS_CMP=cmp is not None, HAS_WIN=win is not None,
         SEL=sel.kind, NP=triton.next_power_of_2(n),
         ONE_BLOCK=one_block(MODE_SEL, geometry.sel_block, cfg["BLOCK_N"], layout), PACKED=layout is not None,
-        **head_dims(Dk, Dv), **cfg,
+        DOT_PRECISION=dot_precision(q.dtype), **head_dims(Dk, Dv), **cfg,
     )

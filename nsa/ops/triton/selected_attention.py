@@ -30,8 +30,8 @@ import triton.language as tl
 
 from ..packing import PackedLayout
 from ..tuning import TUNING
-from .common import (LOG2E, head_dims, load_grad_rows, load_tile, lower_bound, softmax_finish, softmax_step,
-                     store_tile)
+from .common import (LOG2E, dot_precision, head_dims, load_grad_rows, load_tile, lower_bound, softmax_finish,
+                     softmax_step, store_tile)
 
 
 @triton.jit
@@ -107,7 +107,8 @@ def _masked_steps(ENTRIES, start, count, bg, T, first, sel_block, n: tl.constexp
 @triton.jit
 def _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, first, last, b, g, bg, T, k, v, pos, k_ok,
                       sqb, sqt, sqh, scale_log2, dk, dv, n: tl.constexpr, h: tl.constexpr,
-                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, MASKED: tl.constexpr):
+                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, MASKED: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """Each row's partial output and log-sum-exp (log2 units) over the item's block, for row steps [first, last).
 
     The scale is applied in the exponent's FMA (the row maximum of the raw scores, scale > 0), and the rows
@@ -116,7 +117,7 @@ def _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, first, last, b, 
     for r0 in range(first, last, BLOCK_R):
         row_ok, f, t, hh = _item_rows(ENTRIES, start, r0, count, bg, T, n, h, BLOCK_R)
         q = load_tile(Q, b * sqb + t.to(tl.int64) * sqt + (g * h + hh).to(tl.int64) * sqh, dk, row_ok, DK)
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             s = tl.where(k_ok[None, :] & (pos[None, :] <= t[:, None]), s, float("-inf"))
         m = tl.where(row_ok, tl.max(s, 1), 0.0) * scale_log2  # a selected block always holds a key <= t
@@ -124,7 +125,8 @@ def _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, first, last, b, 
         l_sum = tl.sum(p, 1)
         l_safe = tl.where(l_sum > 0, l_sum, 1.0)
         part = f * h + hh
-        store_tile(OPART, part * DV, dv, row_ok, tl.dot(p.to(v.dtype), v) * (1.0 / l_safe)[:, None], DV)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        store_tile(OPART, part * DV, dv, row_ok, pv * (1.0 / l_safe)[:, None], DV)
         tl.store(LSEPART + part, m + tl.log2(l_safe), mask=row_ok)
 
 
@@ -144,6 +146,7 @@ def _sel_fwd_partial_kernel(
     T, G, NS, n: tl.constexpr, h: tl.constexpr, scale_log2, sel_block,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr, PACKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     item = tl.program_id(0)
     count = tl.load(ITEM_COUNT + item)
@@ -157,9 +160,9 @@ def _sel_fwd_partial_kernel(
                                                                          PACKED),
                               sel_block, n, h, BLOCK_L, BLOCK_R, FULL)
         _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, 0, split, b, g, bg, T, k, v, pos, k_ok,
-                          sqb, sqt, sqh, scale_log2, dk, dv, n, h, DK, DV, BLOCK_R, True)
+                          sqb, sqt, sqh, scale_log2, dk, dv, n, h, DK, DV, BLOCK_R, True, DOT_PRECISION)
         _fwd_partial_rows(Q, OPART, LSEPART, ENTRIES, start, count, split, count * h, b, g, bg, T, k, v, pos, k_ok,
-                          sqb, sqt, sqh, scale_log2, dk, dv, n, h, DK, DV, BLOCK_R, False)
+                          sqb, sqt, sqh, scale_log2, dk, dv, n, h, DK, DV, BLOCK_R, False, DOT_PRECISION)
 
 
 @triton.jit
@@ -202,7 +205,7 @@ def _sel_token_fwd_kernel(
     sqb, sqt, sqh, skb, skt, skg, svb, svt, svg, sib, sit, sig, sob, sot, soh, slb, slt,
     T, G, h, scale_log2, sel_block, n_sel,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HP: tl.constexpr, BLOCK_L: tl.constexpr, PACKED: tl.constexpr,
+    HP: tl.constexpr, BLOCK_L: tl.constexpr, PACKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     b, g, row_ok, head = _token_rows(tl.program_id(1), G, h, HP)
@@ -218,8 +221,8 @@ def _sel_token_fwd_kernel(
         k_ok, k, v = _token_block(IDX, b * sib + t * sit + g * sig, slot, K, V, b * skb + g * skg, b * svb + g * svg,
                                   skt, svt, t, sel_block, lk, dk, dv, BLOCK_START, BLOCK_END, first_block, DK, DV,
                                   PACKED)
-        s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
-        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, scale_log2, row_ok, False)
+        s = tl.where(k_ok[None, :], tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), float("-inf"))
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, scale_log2, row_ok, False, DOT_PRECISION)
     out, lse = softmax_finish(m_i, l_i, acc)  # the current block is always selected: l_i > 0
     store_tile(O, b * sob + t * sot + head * soh, dv, row_ok, out, DV)
     tl.store(LSE + b * slb + t * slt + head, lse, mask=row_ok)
@@ -233,6 +236,7 @@ def _sel_token_dq_kernel(
     T, G, h, scale_log2, scale, sel_block, n_sel,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, HP: tl.constexpr, BLOCK_L: tl.constexpr, PACKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     b, g, row_ok, head = _token_rows(tl.program_id(1), G, h, HP)
@@ -248,10 +252,10 @@ def _sel_token_dq_kernel(
         k_ok, k, v = _token_block(IDX, b * sib + t * sit + g * sig, slot, K, V, b * skb + g * skg, b * svb + g * svg,
                                   skt, svt, t, sel_block, lk, dk, dv, BLOCK_START, BLOCK_END, first_block, DK, DV,
                                   PACKED)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         p = tl.where(k_ok[None, :] & row_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     store_tile(DQ, b * sdqb + t * sdqt + head * sdqh, dk, row_ok, dq * scale, DK)
 
 
@@ -316,7 +320,7 @@ def _bwd_rows(Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, first, last, b, 
               dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2,
               sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, scale_log2, scale, dk, dv,
               n: tl.constexpr, h: tl.constexpr, WRITE_DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              BLOCK_R: tl.constexpr, MASKED: tl.constexpr):
+              BLOCK_R: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The block's dK/dV (and each row's dQ partial) over row steps [first, last). The gathers run ahead of the
     math (they depend on the entries, which the loop cannot pipeline): each step loads the next step's rows and
     the entries of the step after, carried in (ok1, ...) and (ok2, ...). The forward's partials load their rows
@@ -328,16 +332,18 @@ def _bwd_rows(Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, first, last, b, 
                                                 sdob, sdot, sdoh, slb, slt, dk, dv, DK, DV)
         ok2, f2, t2, hh2 = _item_rows(ENTRIES, start, r0 + 2 * BLOCK_R, count, bg, T, n, h, BLOCK_R)
         # Rows-major tiles, transposed for the dK/dV products: keys-major ones avoid the transposes but run slower.
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * scale_log2 - lse2[:, None])  # [BLOCK_R, BLOCK_L]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_R, BLOCK_L]
+        p = tl.exp2(s * scale_log2 - lse2[:, None])
         if MASKED:
             p = tl.where(k_ok[None, :] & row_ok[:, None] & (pos[None, :] <= t[:, None]), p, 0.0)
         else:  # rows past the item's end (last step) gathered row 0 of q and do, with lse and delta 0
             p = tl.where(row_ok[:, None], p, 0.0)
-        dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
+        dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
         if WRITE_DQ:
-            store_tile(DQPART, (f * h + hh) * DK, dk, row_ok, tl.dot(ds.to(k.dtype), k) * scale, DK)
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+            store_tile(DQPART, (f * h + hh) * DK, dk, row_ok, dq * scale, DK)
     return dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2
 
 
@@ -348,8 +354,8 @@ def _sel_bwd_kernel(
     sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
     T, G, NS, n: tl.constexpr, h: tl.constexpr, scale_log2, scale, sel_block,
     WRITE_DQ: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr, PARTIALS: tl.constexpr = False,
-    PACKED: tl.constexpr = False,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, FULL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PARTIALS: tl.constexpr = False, PACKED: tl.constexpr = False,
 ):
     item = tl.program_id(0)
     count = tl.load(ITEM_COUNT + item)
@@ -372,12 +378,12 @@ def _sel_bwd_kernel(
             Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, 0, split, b, g, bg, T, k, v, pos, k_ok,
             dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2,
             sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, scale_log2, scale, dk, dv, n, h, WRITE_DQ, DK, DV, BLOCK_R,
-            True)
+            True, DOT_PRECISION)
         dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2 = _bwd_rows(
             Q, DO, LSE, DELTA, DQPART, ENTRIES, start, count, split, count * h, b, g, bg, T, k, v, pos, k_ok,
             dk_acc, dv_acc, ok1, f1, t1, hh1, q1, do1, lse1, delta1, ok2, f2, t2, hh2,
             sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, scale_log2, scale, dk, dv, n, h, WRITE_DQ, DK, DV, BLOCK_R,
-            False)
+            False, DOT_PRECISION)
         if PARTIALS:  # deterministic mode: the item's own [BLOCK_L, D] slot, summed by _sum_item_partials_kernel
             lk = tl.arange(0, BLOCK_L).to(tl.int64)
             store_tile(DKo + item.to(tl.int64) * (BLOCK_L * DK), lk * DK, dk, lk < BLOCK_L, dk_acc * scale, DK)
@@ -479,7 +485,7 @@ def token_forward(q, k, v, indices, o_sel, lse_sel, scale: float, sel_block: int
     _sel_token_fwd_kernel[(T, B * G)](
         q, k, v, indices, o_sel, lse_sel, sel_start, *_block_tables(layout), *_strides(q, k, v, indices, o_sel),
         *lse_sel.stride()[:2], T, G, h, scale * LOG2E, sel_block, n, **head_dims(Dk, Dv),
-        **_token_launch(q, h, sel_block), PACKED=layout is not None,
+        **_token_launch(q, h, sel_block), PACKED=layout is not None, DOT_PRECISION=dot_precision(q.dtype),
     )
 
 
@@ -495,6 +501,7 @@ def block_partials(q, k, v, inverse, opart, lsepart, scale: float, sel_block: in
         q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_block_tables(layout),
         *_strides(q, k, v), T, G, num_block_keys(T, sel_block, layout), n, H // G, scale * LOG2E, sel_block,
         **head_dims(Dk, Dv), **block_tile(sel_block), **_item_launch(q, Dv), PACKED=layout is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
     )
 
 
@@ -530,7 +537,7 @@ def block_backward(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, sca
         *_block_tables(layout), *_strides(q, k, v, do), *lse.stride()[:2], *out_strides,
         T, G, num_block_keys(T, sel_block, layout), n, H // G, scale * LOG2E, scale, sel_block, WRITE_DQ=write_dq,
         **head_dims(Dk, Dv), **block_tile(sel_block), **_item_launch(q, Dv), PARTIALS=partials,
-        PACKED=layout is not None,
+        PACKED=layout is not None, DOT_PRECISION=dot_precision(q.dtype),
     )
 
 
@@ -559,4 +566,5 @@ def token_dq(q, k, v, indices, do, lse, delta, dq, scale: float, sel_block: int,
         q, k, v, indices, do, lse, delta, dq, sel_start, *_block_tables(layout), *_strides(q, k, v, indices, do),
         *lse.stride()[:2], *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
         **head_dims(Dk, Dv), **_token_launch(q, h, sel_block), PACKED=layout is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
     )

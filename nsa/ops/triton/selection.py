@@ -25,7 +25,7 @@ import triton.language as tl
 from ..geometry import NSAGeometry
 from ..packing import PackedLayout
 from ..tuning import TUNING
-from .common import LOG2E, merge_top, overlap
+from .common import LOG2E, dot_precision, merge_top, overlap
 
 
 @triton.jit
@@ -40,7 +40,8 @@ def _chunk_keys(kbase, skt, c, chunk_tokens, ci_local, dk, NC, DK: tl.constexpr)
 
 @triton.jit
 def _chunk_p(q, kc, ci, ci_ok, rt, lse2, scale_log2, block_len, block_stride, BLOCK_T: tl.constexpr,
-             HP: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr):
+             HP: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
     """[BLOCK_T, C]: p_cmp summed over HP heads of each token (rows of q, token-major), for the chunk's compressed
     tokens kc.
 
@@ -51,7 +52,7 @@ def _chunk_p(q, kc, ci, ci_ok, rt, lse2, scale_log2, block_len, block_stride, BL
     rows past T have lse2 = +inf, so their p is 0 without a mask.
     """
     if TRANS:
-        st = tl.dot(kc, tl.trans(q)) * scale_log2 - lse2[None, :]
+        st = tl.dot(kc, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2 - lse2[None, :]
         if MASKED:
             st = tl.where(((ci * block_stride + block_len - 1)[:, None] <= rt[None, :]) & ci_ok[:, None], st,
                           float("-inf"))
@@ -60,7 +61,7 @@ def _chunk_p(q, kc, ci, ci_ok, rt, lse2, scale_log2, block_len, block_stride, BL
             st = tl.where(ci_ok[:, None], st, float("-inf"))
         return tl.trans(tl.sum(tl.reshape(tl.exp2(st), [C, BLOCK_T, HP]), axis=2))
     else:
-        s = tl.dot(q, tl.trans(kc)) * scale_log2 - lse2[:, None]
+        s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * scale_log2 - lse2[:, None]
         if MASKED:
             s = tl.where((ci[None, :] * block_stride + block_len - 1 <= rt[:, None]) & ci_ok[None, :], s,
                          float("-inf"))
@@ -72,14 +73,15 @@ def _chunk_p(q, kc, ci, ci_ok, rt, lse2, scale_log2, block_len, block_stride, BL
 @triton.jit
 def _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2, block_len,
              block_stride, DK: tl.constexpr, BLOCK_T: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
-             C: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr):
+             C: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
     """[BLOCK_T, C]: p_cmp summed over the group's heads (the first HA, then HB more) for chunk c's tokens."""
     kc, ci, ci_ok = _chunk_keys(kbase, skt, c, chunk_tokens, ci_local, dk, NC, DK)
     p = _chunk_p(qa, kc, ci, ci_ok, rta, lse2a, scale_log2, block_len, block_stride, BLOCK_T, HA, C, TRANS, EXACT,
-                 MASKED)
+                 MASKED, DOT_PRECISION)
     if HB > 0:
         p += _chunk_p(qb, kc, ci, ci_ok, rtb, lse2b, scale_log2, block_len, block_stride, BLOCK_T, HB, C, TRANS,
-                      EXACT, MASKED)
+                      EXACT, MASKED, DOT_PRECISION)
     return p
 
 
@@ -161,18 +163,18 @@ def _overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tok
 def _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2, block_len,
             block_stride, j_t, jj, w_cur, w_nxt, shift, n_whole, n_chunks, DK: tl.constexpr, BLOCK_T: tl.constexpr,
             HA: tl.constexpr, HB: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
-            TRANS: tl.constexpr, EXACT: tl.constexpr):
+            TRANS: tl.constexpr, EXACT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The running top-K keys [BLOCK_T, K] (descending) of the rows' candidate blocks, over the compressed tokens
     kbase[0 .. NC) (one sequence's, or one document's) and the rows' (document-relative) tokens rta/rtb."""
     best = tl.full([BLOCK_T, K], -1, tl.int64)
     carry = tl.zeros([BLOCK_T, K], tl.float32)
     for c in range(0, n_whole):
         p_tok = _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
-                         block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, False)
+                         block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, False, DOT_PRECISION)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
     for c in range(n_whole, n_chunks):
         p_tok = _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
-                         block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, True)
+                         block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, True, DOT_PRECISION)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
     return best
 
@@ -202,7 +204,7 @@ def _select_kernel(
     T, NC, G, h, scale_log2, block_len, block_stride, sel_block, n_sel, chunk_tokens,
     DK: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_T: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
     K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bg = tl.program_id(1)
@@ -241,7 +243,7 @@ def _select_kernel(
                            tl.where((rta >= first) & (rta <= last), lse2a, float("inf")),
                            tl.where((rtb >= first) & (rtb <= last), lse2b, float("inf")), nc, scale_log2, block_len,
                            block_stride, j_t, jj, w_cur, w_nxt, shift, n_whole, n_chunks, DK, BLOCK_T, HA, HB, K, C,
-                           R, TRANS, EXACT)
+                           R, TRANS, EXACT, DOT_PRECISION)
             _store_choice(IDX, b, sib, tok, sit, g, sig, best, jj, j_t, all_fit, n_sel, first, last + 1, PACKED)
             first = last + 1
     else:
@@ -256,7 +258,7 @@ def _select_kernel(
         kbase = KC + b * skb + g * skg
         best = _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
                        block_len, block_stride, j_t, jj, w_cur, w_nxt, shift, n_whole, n_chunks, DK, BLOCK_T, HA, HB,
-                       K, C, R, TRANS, EXACT)
+                       K, C, R, TRANS, EXACT, DOT_PRECISION)
         _store_choice(IDX, b, sib, tok, sit, g, sig, best, jj, j_t, all_fit, n_sel, 0, T, PACKED)
 
 
@@ -303,6 +305,7 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
         T, NC, G, h, scale * LOG2E, block_len, block_stride, sel_block, n_sel, chunk_tokens,
         DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
         HA=ha, HB=hb, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens, PACKED=layout is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
         num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
     )

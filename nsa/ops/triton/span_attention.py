@@ -38,9 +38,9 @@ import triton.language as tl
 from ..geometry import NSAGeometry
 from ..packing import PackedLayout
 from ..tuning import TUNING
-from .common import (LOG2E, chosen_blocks, head_dims, interior, key_plan, key_step, load_grad_rows, load_tile,
-                     num_sms, one_block, picked, picked_rows, program_rows, softmax_finish, softmax_step, store_tile,
-                     tile_sizes, visible)
+from .common import (LOG2E, chosen_blocks, dot_precision, head_dims, interior, key_plan, key_step, load_grad_rows,
+                     load_tile, num_sms, one_block, picked, picked_rows, program_rows, softmax_finish, softmax_step,
+                     store_tile, tile_sizes, visible)
 
 
 @triton.jit
@@ -52,12 +52,13 @@ def _picked_t(bits, kidx, sel_block):
 @triton.jit
 def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok, chosen, sel_block, doc_key, dk, dv,
               scale_log2, m_i, l_i, acc, MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr,
-              PACKED: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
+              PACKED: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
     """Online softmax over key steps [first, last); MASKED applies each row's visible range (and choice).
     PACKED, MODE_SEL: unmasked steps lie in one document, whose first key is doc_key."""
     for start in range(first, last, BLOCK_N):
         kidx, k, v = key_step(K, V, k_base, v_base, skt, svt, NK, start, dk, dv, DK, DV, BLOCK_N)
-        s = tl.dot(q, tl.trans(k))  # raw: softmax_step scales
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # raw: softmax_step scales
         pick = picked_rows(chosen, start, sel_block) if MODE == 2 and ONE_BLOCK else row_ok
         if MASKED:
             seen = visible(kidx, start, lo, hi, row_ok, chosen, sel_block, MODE, ONE_BLOCK, PACKED)
@@ -66,7 +67,7 @@ def _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, first, last, lo, hi, row_ok
             s = tl.where(picked(chosen, kidx - doc_key, sel_block), s, float("-inf"))
         elif MODE == 2 and not ONE_BLOCK:
             s = tl.where(picked(chosen, kidx, sel_block), s, float("-inf"))
-        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, scale_log2, pick, MODE == 2 and ONE_BLOCK)
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, scale_log2, pick, MODE == 2 and ONE_BLOCK, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -77,7 +78,7 @@ def _span_fwd_kernel(
     T, NK, G, h: tl.constexpr, scale_log2, block_len, block_stride, window, sel_block,
     MODE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_BLOCK: tl.constexpr, GATED: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     b, g, row_ok, t, head = program_rows(pid_m, tl.program_id(1), T, G, h, BLOCK_M)
@@ -94,13 +95,13 @@ def _span_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, k_start, a, lo, hi, row_ok, chosen, sel_block,
                               doc_key, dk, dv, scale_log2, m_i, l_i, acc, True, MODE, ONE_BLOCK, PACKED, DK, DV,
-                              BLOCK_N)
+                              BLOCK_N, DOT_PRECISION)
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, a, e, lo, hi, row_ok, chosen, sel_block,
                               doc_key, dk, dv, scale_log2, m_i, l_i, acc, False, MODE, ONE_BLOCK, PACKED, DK, DV,
-                              BLOCK_N)
+                              BLOCK_N, DOT_PRECISION)
     m_i, l_i, acc = _fwd_keys(q, K, V, k_base, v_base, skt, svt, NK, e, k_end, lo, hi, row_ok, chosen, sel_block,
                               doc_key, dk, dv, scale_log2, m_i, l_i, acc, True, MODE, ONE_BLOCK, PACKED, DK, DV,
-                              BLOCK_N)
+                              BLOCK_N, DOT_PRECISION)
     out, lse = softmax_finish(m_i, l_i, acc)
     o_off = b * sob + t * sot + head * soh
     store_tile(O, o_off, dv, row_ok, out, DV)
@@ -173,7 +174,7 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h: tl.co
                block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
                q_first, q_last, key_block,
                MASKED: tl.constexpr, MODE: tl.constexpr, ONE_BLOCK: tl.constexpr, PACKED: tl.constexpr,
-               DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr):
+               DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dK/dV of one key tile over (token, head) row steps [first, last). PACKED: each key's queries are
     [q_first, q_last] and its block key_block (_key_queries)."""
     kidx32 = kidx.to(tl.int32)
@@ -190,7 +191,8 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h: tl.co
             bits = chosen_blocks(IDX, b * sib + t * sit + g * sig, row_ok)
             if ONE_BLOCK:
                 lse2 = tl.where(picked_rows(bits, k_first, sel_block), lse2, float("inf"))
-        pt = tl.exp2(tl.dot(k, tl.trans(q)) * scale_log2 - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        pt = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
+                     - lse2[None, :])  # [BLOCK_N, BLOCK_M]
         if MASKED:
             if PACKED:
                 seen = _sees_in_document(q_first, q_last, t32, row_ok)
@@ -205,9 +207,9 @@ def _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h: tl.co
             pt = tl.where(_picked_block_t(bits, key_block), pt, 0.0)
         elif MODE == 2 and not ONE_BLOCK:
             pt = tl.where(_picked_t(bits, kidx, sel_block), pt, 0.0)
-        dv_acc += tl.dot(pt.to(do.dtype), do)
-        dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk_acc += tl.dot(dst.to(q.dtype), q)
+        dv_acc += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dst = pt * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])
+        dk_acc += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk_acc, dv_acc
 
 
@@ -219,7 +221,7 @@ def _span_dkdv_kernel(
     T, NK, G, h: tl.constexpr, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
     MODE: tl.constexpr, ATOMIC: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ONE_BLOCK: tl.constexpr, PACKED: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, PACKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_split = tl.program_id(1)
@@ -274,15 +276,18 @@ def _span_dkdv_kernel(
     dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h, row_start, a,
                                 split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sib, sit, sig,
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
-                                q_first, q_last, key_block, True, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_M)
+                                q_first, q_last, key_block, True, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_M,
+                                DOT_PRECISION)
     dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h, a, e,
                                 split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sib, sit, sig,
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
-                                q_first, q_last, key_block, False, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_M)
+                                q_first, q_last, key_block, False, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_M,
+                                DOT_PRECISION)
     dk_acc, dv_acc = _dkdv_rows(k, v, kidx, k_ok, k_first, Q, DO, LSE, DELTA, IDX, b, g, h, e, split_hi,
                                 split_hi, sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sib, sit, sig,
                                 block_len, block_stride, window, sel_block, dk, dv, scale_log2, dk_acc, dv_acc,
-                                q_first, q_last, key_block, True, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_M)
+                                q_first, q_last, key_block, True, MODE, ONE_BLOCK, PACKED, DK, DV, BLOCK_M,
+                                DOT_PRECISION)
     dk_acc = dk_acc * scale
     # sdks/sdvs: each split's own slice of the outputs (deterministic mode), 0 where splits add into one.
     dk_off = pid_split.to(tl.int64) * sdks + b * sdkb + g * sdkg + kidx * sdkt
@@ -353,7 +358,7 @@ def forward(q, k, v, o, lse, mode: int, scale: float, geometry: NSAGeometry, bit
         *idx_strides, *gate_strides, T, NK, G, H // G, scale * LOG2E, geometry.block_len, geometry.block_stride,
         geometry.window, sel_block, MODE=mode, **head_dims(Dk, Dv),
         ONE_BLOCK=one_block(mode, sel_block, cfg["BLOCK_N"], layout), GATED=gated is not None,
-        PACKED=layout is not None, **cfg,
+        PACKED=layout is not None, DOT_PRECISION=dot_precision(q.dtype), **cfg,
     )
 
 
@@ -393,5 +398,5 @@ def dkdv(q, k, v, do, lse, delta, dk_out, dv_out, mode: int, scale: float, geome
         *idx_strides, T, NK, G, H // G, scale * LOG2E, scale, geometry.block_len, geometry.block_stride,
         geometry.window, sel_block, rows_per_split, MODE=mode, ATOMIC=splits > parts,
         ONE_BLOCK=one_block(mode, sel_block, cfg["BLOCK_N"], layout), PACKED=layout is not None,
-        **head_dims(Dk, Dv), **cfg,
+        DOT_PRECISION=dot_precision(q.dtype), **head_dims(Dk, Dv), **cfg,
     )
