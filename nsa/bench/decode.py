@@ -5,7 +5,9 @@ given context length, then times decode steps replayed from CUDA graphs (Graphed
 models pay kernel time, not Python dispatch): the mean over whole cycles of d steps, as NSA runs
 phi only on the steps that complete a compressed block. Also timed: one layer's decode attention alone (NSA's
 compressed + selected + window branches against SDPA over the dense cache), where NSA's smaller
-reads show directly; the whole-model step also reads every weight once (~250 MB for M7C).
+reads show directly; the whole-model step also reads every weight once (~250 MB for M7C). Each row also gives
+the bytes a step and a layer's attention must read (nsa.bench.byte_floor), the share of the floor (those bytes
+at the bandwidth of a large copy, measured once per run) the measured time reaches, and the prompt's prefill time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..inference.decode import prefill
 from ..inference.graphed import GraphedDecoder
 from ..model import Transformer
 from ..plots.bench import picture
+from .byte_floor import attention_bytes, copy_bandwidth, step_bytes
 from .common import environment, format_table, graphed, print_row, profile_to_file, write_results
 
 
@@ -72,12 +75,27 @@ def _layer_attention_ms(model: Transformer, cache, batch: int, reps: int, cuda: 
     return _median_ms(graphed(fn, cuda), reps, cuda)
 
 
+def _floors(model: Transformer, context: int, batch: int, step_ms: float, attn_ms: float,
+            bandwidth: float | None) -> dict:
+    """Bytes a step and a layer's attention read, and the share of the time reading them at `bandwidth` takes that
+    the measured times reach (1.0: at the floor)."""
+    step_b = step_bytes(model, context, batch)
+    attn_b = attention_bytes(model.cfg, context, batch, next(model.parameters()).element_size())
+    row = {"step_mb": step_b / 1e6, "layer_attention_mb": attn_b / 1e6}
+    if bandwidth:
+        row["step_floor_share"] = step_b / bandwidth * 1e3 / step_ms
+        row["attention_floor_share"] = attn_b / bandwidth * 1e3 / attn_ms
+    return row
+
+
 PROGRESS_COLUMNS = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "layer_attention_ms"]
 
 
 @torch.no_grad()
 def measure(cfg, attention: str, context: int, batch: int, steps: int, device: torch.device,
-            compile: bool = False, profile_dir: str | None = None) -> dict:
+            compile: bool = False, profile_dir: str | None = None, bandwidth: float | None = None) -> dict:
+    """One row: the step's time and its share of the byte floor (at `bandwidth` bytes/s), one layer's decode
+    attention alike, and the prefill of the prompt."""
     model_cfg = dataclasses.replace(cfg.model, attention=attention)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch._dynamo.reset()  # a fresh compile per model, not guard failures piling up against the cache limit
@@ -98,7 +116,9 @@ def measure(cfg, attention: str, context: int, batch: int, steps: int, device: t
     reads = cache.layers[0].reads.float().mean().item() if hasattr(cache.layers[0], "reads") else None
     attn_ms = _layer_attention_ms(model, cache, batch, steps, cuda)
     row = {"attention": attention, "compiled": compile, "context": context, "batch": batch, "step_ms": step_ms,
-           "tokens_per_s": batch / step_ms * 1e3, "layer_attention_ms": attn_ms, "reads_per_group": reads}
+           "tokens_per_s": batch / step_ms * 1e3, "layer_attention_ms": attn_ms, "reads_per_group": reads,
+           **_floors(model, context, batch, step_ms, attn_ms, bandwidth),
+           "prefill_ms": _median_ms(lambda: prefill(model, prompt, cache), 1, cuda)}  # compiled by the first
     if profile_dir:
         # Outside a CUDA graph, so the profiler sees each kernel of the step (a replay is one opaque launch).
         name = f"profile_decode_{attention}{'_compiled' if compile else ''}_{context}_b{batch}.txt"
@@ -123,17 +143,21 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
                             "compiled": compile}
     print(f"{meta['device']}  torch {meta['torch']}", flush=True)
     name = "decode_compiled" if compile else "decode"
+    meta["copy_bandwidth_gb_s"] = bandwidth = copy_bandwidth(dev, 512 if dev.type == "cuda" else 32) / 1e9
+    print(f"memory bandwidth (a large copy): {bandwidth:,.0f} GB/s", flush=True)
     rows, paths = [], ()
     for b in batches:
         for T in contexts:
             for a in attentions:
                 # Each row takes minutes with --compile (compiles and graph captures): show it as it lands, and
                 # write the results so far, so that a run cut short keeps every row it measured.
-                rows.append(measure(cfg, a, T, b, steps, dev, compile, out_dir if profile else None))
+                rows.append(measure(cfg, a, T, b, steps, dev, compile, out_dir if profile else None,
+                                    bandwidth * 1e9))
                 print_row(rows[-1], PROGRESS_COLUMNS)
                 paths = write_results(_with_ratios(rows), out_dir, name, meta)
-    columns = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup",
-               "layer_attention_ms", "attention_speedup", "reads_per_group", "kernels_per_step"]
+    columns = ["attention", "compiled", "context", "batch", "step_ms", "tokens_per_s", "speedup", "step_mb",
+               "step_floor_share", "layer_attention_ms", "attention_speedup", "layer_attention_mb",
+               "attention_floor_share", "prefill_ms", "reads_per_group", "kernels_per_step"]
     print("\n" + format_table(rows, [c for c in columns if any(c in r for r in rows)]))
     paths += picture(rows, meta, Path(out_dir) / f"{name}.png")
     print("wrote " + ", ".join(map(str, paths)))

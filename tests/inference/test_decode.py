@@ -529,6 +529,35 @@ def test_bench_decode_runs_on_cpu_and_reports_the_reads(tmp_path, capsys):
     # tokens, all 332 tokens in the 6 chosen blocks (16 allowed), and a 332-token window.
     assert float(rows["nsa"]["reads_per_group"]) == 19 + 332 + 332
     assert float(rows["dense"]["reads_per_group"]) == 332
+    # The byte floor at the prompt's 300 tokens: NSA's layer reads (300 - 32) // 16 + 1 = 17 compressed tokens,
+    # 300 in its blocks and a 300-token window; dense the 300 tokens; 2 sequences x 2 kv heads of 64 x keys and
+    # values x 4 bytes (fp32).
+    per_token = 2 * 2 * 64 * 2 * 4
+    assert float(rows["nsa"]["layer_attention_mb"]) * 1e6 == pytest.approx((17 + 300 + 300) * per_token)
+    assert float(rows["dense"]["layer_attention_mb"]) * 1e6 == pytest.approx(300 * per_token)
+    for row in rows.values():
+        assert 0 < float(row["step_floor_share"]) and 0 < float(row["attention_floor_share"])
+        assert float(row["step_mb"]) > float(row["layer_attention_mb"]) and float(row["prefill_ms"]) > 0
+
+
+def test_the_byte_floor_of_an_m7c_step_at_64k():
+    """One M7C layer's NSA decode attention at 64k reads 4,095 compressed + 1,024 selected + 512 window positions
+    of 2 kv heads (2.88 MB in bf16); a dense step reads ~626 MB at batch 1, NSA's ~282 MB."""
+    import dataclasses
+
+    from nsa.bench.byte_floor import attention_bytes, step_bytes
+    from nsa.model import m7c
+
+    cfg = dataclasses.replace(m7c(), vocab_size=50304)
+    assert attention_bytes(cfg, 65536, 1, 2) == (4095 + 1024 + 512) * 2 * 2 * 64 * 2
+    assert attention_bytes(dataclasses.replace(cfg, attention="dense"), 65536, 16, 2) == 16 * 65536 * 2 * 2 * 64 * 2
+    with torch.device("meta"):
+        nsa = Transformer(cfg).to(torch.bfloat16)
+        dense = Transformer(dataclasses.replace(cfg, attention="dense")).to(torch.bfloat16)
+    weights = sum(p.numel() for p in nsa.parameters()) * 2
+    assert step_bytes(nsa, 65536, 1) == weights + 12 * attention_bytes(cfg, 65536, 1, 2)
+    assert step_bytes(dense, 65536, 1) / 1e6 == pytest.approx(626, rel=0.01)
+    assert step_bytes(nsa, 65536, 1) / 1e6 == pytest.approx(282, rel=0.01)
 
 
 def test_bench_decode_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
