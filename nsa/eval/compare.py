@@ -68,6 +68,14 @@ class RunSummary:
     val_tokens: np.ndarray
     val_loss: np.ndarray
     gates: GateSummary | None = None
+    gate: str = "sigmoid"
+    """model.nsa.gate of an NSA run."""
+
+    @property
+    def kind(self) -> str:
+        """What the runs are grouped by: the attention, and for NSA a gate function other than the default
+        ('nsa-softmax'), so that runs of two model variants are never pooled into one distribution."""
+        return f"{self.attention}-{self.gate}" if self.attention == "nsa" and self.gate != "sigmoid" else self.attention
 
     @property
     def eval_rows(self) -> list[dict[str, Any]]:
@@ -103,6 +111,7 @@ def load_summary(run_dir: Path, name: str) -> RunSummary:
         seed=train.get("seed") if isinstance(train.get("seed"), int) else None,
         last_step=int(last["step"]) if last.get("step") is not None else None, tokens=last.get("tokens"),
         val_tokens=val_tokens, val_loss=val_loss, gates=gate_summary(run),
+        gate=str((model.get("nsa") if isinstance(model.get("nsa"), dict) else {}).get("gate", "sigmoid")),
     )
 
 
@@ -143,7 +152,7 @@ def loss_curves(runs: list[RunSummary]) -> list[LossCurves]:
     """Every run's training and validation losses against tokens seen, labelled with its kind and seed."""
     curves = []
     for r in runs:
-        label = f"{r.name} ({r.attention}" + (f", seed {r.seed})" if r.seed is not None else ")")
+        label = f"{r.name} ({r.kind}" + (f", seed {r.seed})" if r.seed is not None else ")")
         tokens, loss = column(r.data.metrics, "loss", x="tokens")
         curves.append(LossCurves(label, r.attention, tokens, loss, r.val_tokens, r.val_loss))
     return curves
@@ -175,7 +184,7 @@ def retrieval_grids(runs: list[RunSummary]) -> dict[str, list[Grid]]:
             reasons = {s["length"]: str(s.get("reason", "skipped")).split(" (")[0]
                        for s in r.eval_meta.get("retrieval", {}).get("skipped", [])
                        if s.get("task") == task and isinstance(s.get("length"), int)}
-            grids.append(Grid(f"{r.name} ({r.attention})", lengths, depths, acc, reasons))
+            grids.append(Grid(f"{r.name} ({r.kind})", lengths, depths, acc, reasons))
         out[task] = grids
     return out
 
@@ -222,12 +231,12 @@ def aggregate(runs: list[RunSummary]) -> Aggregates:
     at = _common_tokens(with_val) if len({r.tokens for r in with_val}) > 1 else None
     val_loss = {r.name: r.val_at(at) if at is not None else r.final_val for r in with_val}
     val_loss = {name: value for name, value in val_loss.items() if value is not None}
-    validation = spreads_by_kind((r.attention, r.seed, val_loss[r.name]) for r in with_val if r.name in val_loss)
+    validation = spreads_by_kind((r.kind, r.seed, val_loss[r.name]) for r in with_val if r.name in val_loss)
     by_run = {r.name: retrieval_means(r.eval_rows) for r in runs if r.eval_rows}
     retrieval: dict[str, dict[int, dict[str, Spread]]] = {}
     for task in dict.fromkeys(task for means in by_run.values() for task in means):
         lengths = sorted({n for means in by_run.values() for n in means.get(task, {})})
-        retrieval[task] = {n: spreads_by_kind((r.attention, r.seed, by_run[r.name][task][n]) for r in runs
+        retrieval[task] = {n: spreads_by_kind((r.kind, r.seed, by_run[r.name][task][n]) for r in runs
                                               if n in by_run.get(r.name, {}).get(task, {}))
                            for n in lengths}
     return Aggregates(at, val_loss, validation, by_run, retrieval)
@@ -271,7 +280,7 @@ def compare_markdown(runs: list[RunSummary], grids: dict[str, list[Grid]], image
               "(perplexity) |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         best = f"{float(r.val_loss.min()):.4f}" if r.val_loss.size else "-"
-        parts.append(f"| {r.name} | {r.attention} | {_or_dash(r.seed, grouped=False)} | {_or_dash(r.last_step)} | "
+        parts.append(f"| {r.name} | {r.kind} | {_or_dash(r.seed, grouped=False)} | {_or_dash(r.last_step)} | "
                      f"{human_count(r.tokens) if r.tokens is not None else '-'} | {_number_or_dash(r.final_val)} | {best} | "
                      f"{_eval_validation(r.eval_meta)} |")
     parts += [""] + _validation_section(runs, agg)
@@ -310,10 +319,11 @@ def _validation_section(runs: list[RunSummary], agg: Aggregates) -> list[str]:
     lines.append("")
     means = {kind: s.mean for kind, s in agg.validation.items()}
     spreads = {kind: s.spread for kind, s in agg.validation.items() if s.runs > 1}
-    if "nsa" in means and "dense" in means:
-        margin = means["nsa"] - means["dense"]
+    for nsa_kind in (k for k in means if k.startswith("nsa") and "dense" in means):
+        margin = means[nsa_kind] - means["dense"]
         better = "lower (better)" if margin < 0 else "higher (worse)" if margin > 0 else "equal"
-        lines.append(f"**Margin:** NSA's mean validation loss is {abs(margin):.4f} nats {better} than dense's "
+        name = "NSA" if nsa_kind == "nsa" else f"NSA ({nsa_kind})"
+        lines.append(f"**Margin:** {name}'s mean validation loss is {abs(margin):.4f} nats {better} than dense's "
                      f"({100 * margin / means['dense']:+.2f}%).")
         if spreads:
             widest = max(spreads.values())

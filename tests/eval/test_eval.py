@@ -503,7 +503,8 @@ def test_compare_two_runs(runs, tmp_path):
 
 
 def fake_run(root: Path, name: str, attention: str, seed: int, final_val: float, gates=None,
-             correct: dict[int, list[int]] | None = None, samples: int = 4, old_csv: bool = False) -> Path:
+             correct: dict[int, list[int]] | None = None, samples: int = 4, old_csv: bool = False,
+             gate: str | None = None) -> Path:
     """A run folder with metrics.csv and config.yaml; gates: nsa_stats.jsonl's gate means per layer; correct:
     eval/eval.csv of passkey, per length the correct answers at each depth (of `samples`), without the correct
     and interval columns when old_csv (as `nsa eval` wrote it before it had them)."""
@@ -514,7 +515,8 @@ def fake_run(root: Path, name: str, attention: str, seed: int, final_val: float,
         w.writerow(["step", "tokens", "loss", "val_loss"])
         for step in (10, 20, 30, 40):
             w.writerow([step, step * 1000, 5.0 - step / 20, final_val + (40 - step) / 100 if step % 20 == 0 else ""])
-    (run / "config.yaml").write_text(f"model:\n  attention: {attention}\ntrain:\n  seed: {seed}\n")
+    gate_line = f"  nsa:\n    gate: {gate}\n" if gate else ""
+    (run / "config.yaml").write_text(f"model:\n  attention: {attention}\n{gate_line}train:\n  seed: {seed}\n")
     if gates is not None:
         layers = [{"layer": i, "gate_mean": g, "gate_std": [0.1] * 3, "sel_distance_mean": 100.0,
                    "sel_forced_share": 0.5, "sel_concentration": 0.7} for i, g in enumerate(gates)]
@@ -591,6 +593,16 @@ def test_compare_states_the_distribution_over_seeds_and_reruns(tmp_path, capsys)
     assert info["val_loss"]["nsa"]["mean"] == pytest.approx(6.4 / 3)
     assert [(r["name"], r["seed"]) for r in info["runs"]] == [("nsa-a", 1), ("nsa-b", 1), ("nsa-c", 2), ("dense-a", 1)]
     assert [r["exact_match"]["passkey"]["128"] for r in info["runs"]] == pytest.approx([0.25, 0.5, 1.0, 11 / 12])
+
+
+def test_compare_never_pools_nsa_runs_of_another_gate_function(tmp_path, capsys):
+    runs = [fake_run(tmp_path, "sig", "nsa", 1, 2.0, gate="sigmoid"), fake_run(tmp_path, "soft", "nsa", 1, 1.0,
+                                                                                gate="softmax"),
+            fake_run(tmp_path, "dense", "dense", 1, 1.5)]
+    text = render_compare(runs, tmp_path / "out").read_text()
+    assert "| nsa | 1 | 1 | 2.0000 |" in text and "| nsa-softmax | 1 | 1 | 1.0000 |" in text
+    assert "NSA's mean validation loss is 0.5000 nats higher" in text
+    assert "NSA (nsa-softmax)'s mean validation loss is 0.5000 nats lower" in text
 
 
 # ------------------------------------------------------------------------------------------- errors
