@@ -79,6 +79,11 @@ def _describe(tp: Any) -> str:
 PLURALS = {float: "finite numbers", int: "integers", str: "strings", bool: "true/false values"}
 
 
+BOOLEAN_WORDS = {word: truth for truth, words in ((True, ("true", "yes", "on", "y")), (False, ("false", "no", "off", "n")))
+                 for word in words}
+"""The words YAML reads as booleans, for a boolean setting given on the command line."""
+
+
 def _coerce(value: Any, tp: Any, key: str, example: Any = None) -> Any:
     """Convert a YAML-parsed value to field type `tp`, or raise ConfigError naming `key` (and, for a list,
     showing `example`, the field's current value, in override form)."""
@@ -106,6 +111,8 @@ def _coerce(value: Any, tp: Any, key: str, example: Any = None) -> Any:
     elif tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.lower() in BOOLEAN_WORDS:  # an override's word (parse_override)
+            return BOOLEAN_WORDS[value.lower()]
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -169,6 +176,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, bool):  # YAML reads on/off/yes/no as booleans too: keep the word for a string field
+        value = raw.strip()
     return key.strip().split("."), value
 
 

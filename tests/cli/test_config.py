@@ -152,3 +152,12 @@ def test_an_empty_yaml_file_is_the_defaults_and_a_binary_one_is_refused(tmp_path
         load_config(str(binary))
     with pytest.raises(ConfigError, match="is a folder"):
         load_config(str(tmp_path))
+
+
+def test_words_yaml_reads_as_booleans_stay_words_for_string_settings_and_switch_boolean_ones():
+    cfg = load_config(None, ["train.run_name=on", "telemetry.wandb=yes", "parallel.cudagraphs=off",
+                             "data.document_masking=true"])
+    assert cfg.train.run_name == "on"
+    assert cfg.telemetry.wandb is True and cfg.parallel.cudagraphs is False and cfg.data.document_masking is True
+    with pytest.raises(ConfigError, match="train.steps='on' is not valid"):
+        load_config(None, ["train.steps=on"])
