@@ -25,7 +25,8 @@ from ..errors import UserError
 from ..plots.compare import LossCurves, plot_losses
 from ..plots.gates import plot_final_gates
 from ..plots.retrieval import plot_grids
-from ..telemetry.report import gate_warnings, human_count
+from ..telemetry.report import (ATTENTION_OFF, CollapseSpan, collapse_spans, describe_span, gate_warnings,
+                                human_count, longest_collapse)
 from ..telemetry.run_files import BRANCH_NAMES, RunData, column, layer_series, load_run
 from .grid import Grid, length_label
 from .intervals import wilson_interval
@@ -47,6 +48,10 @@ class GateSummary:
     forced_share: float
     concentration: float
     warnings: list[str]
+    longest_collapse: CollapseSpan | None = None
+    """The longest span of records with a branch's gate collapsed, over the whole run."""
+    longest_off: CollapseSpan | None = None
+    """The longest span with a layer's attention off (every gate collapsed low at once)."""
 
     @property
     def mean(self) -> np.ndarray:
@@ -131,6 +136,8 @@ def gate_summary(run: RunData) -> GateSummary | None:
         forced_share=_mean([e.get("sel_forced_share") for e in entries]),
         concentration=_mean([e.get("sel_concentration") for e in entries]),
         warnings=[w for w in gate_warnings(layers) if "collapsed" in w],
+        longest_collapse=longest_collapse(collapse_spans(series)),
+        longest_off=longest_collapse(collapse_spans(series), ATTENTION_OFF),
     )
 
 
@@ -494,6 +501,8 @@ def _gate_section(runs: list[RunSummary], has_plot: bool) -> list[str]:
                   "|---|---|---|---|"]
         lines += [f"| {i} | {row[0]:.3f} | {row[1]:.3f} | {row[2]:.3f} |" for i, row in enumerate(r.gates.per_layer)]
         lines.append("")
+        lines += [f"Longest gate collapse: {describe_span(r.gates.longest_collapse)}; longest with a layer's "
+                  f"attention off: {describe_span(r.gates.longest_off)}.", ""]
         if r.gates.warnings:
             lines += [f"- {w}" for w in r.gates.warnings] + [""]
     if has_plot:

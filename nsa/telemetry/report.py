@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,57 @@ def gate_warnings(series: list[LayerSeries]) -> list[str]:
                 warnings.append(f"layer {s.layer}: gate means flat (moved {moved:.1e} < {FLAT_MOVE:g} "
                                 f"over steps {int(s.steps[0])}-{int(s.steps[-1])}): are the gates training?")
     return warnings
+
+
+@dataclass(frozen=True)
+class CollapseSpan:
+    """Consecutive health records in which a layer's gate stayed collapsed."""
+
+    layer: int
+    what: str
+    """A branch name, or ATTENTION_OFF: every branch below COLLAPSE_LOW at once (the layer's attention off)."""
+    start: int
+    end: int
+    """Steps of the first and the last record of the span."""
+
+    @property
+    def steps(self) -> int:
+        return self.end - self.start
+
+
+ATTENTION_OFF = "attention off"
+
+
+def collapse_spans(series: list[LayerSeries]) -> list[CollapseSpan]:
+    """Every span of records in which a branch's gate mean lay below COLLAPSE_LOW or above COLLAPSE_HIGH, or all
+    three below COLLAPSE_LOW (ATTENTION_OFF), per layer in record order: how long a collapse lasted, not only
+    whether the last record shows one."""
+    spans = []
+    for s in series:
+        low, high = s.gate_mean < COLLAPSE_LOW, s.gate_mean > COLLAPSE_HIGH  # [records, 3]
+        flags = {name: low[:, i] | high[:, i] for i, name in enumerate(BRANCH_NAMES)} | {ATTENTION_OFF: low.all(1)}
+        for what, flag in flags.items():
+            start = None
+            for i, collapsed in enumerate([*flag.tolist(), False]):
+                if collapsed and start is None:
+                    start = i
+                elif not collapsed and start is not None:
+                    spans.append(CollapseSpan(s.layer, what, int(s.steps[start]), int(s.steps[i - 1])))
+                    start = None
+    return spans
+
+
+def longest_collapse(spans: list[CollapseSpan], what: str | None = None) -> CollapseSpan | None:
+    """The longest span (of `what` only, if given; ATTENTION_OFF or a branch), None without one."""
+    chosen = [span for span in spans if what is None or span.what == what]
+    return max(chosen, key=lambda span: span.steps, default=None)
+
+
+def describe_span(span: CollapseSpan | None) -> str:
+    """'layer 2, window, steps 1,100-3,300 (2,200 steps)', or 'none'."""
+    if span is None:
+        return "none"
+    return f"layer {span.layer}, {span.what}, steps {span.start:,}-{span.end:,} ({span.steps:,} steps)"
 
 
 # ----------------------------------------------------------------------------------------- heartbeats
@@ -204,6 +256,9 @@ def _gate_section(run: RunData, series: list[LayerSeries]) -> list[str]:
         cmp_, sel, win = s.gate_mean[-1]
         lines.append(f"| {s.layer} | {cmp_:.3f} | {sel:.3f} | {win:.3f} | {_decimals_or_dash(s.entropy[-1])} "
                      f"| {_decimals_or_dash(s.sel_forced_share[-1])} |")
+    spans = collapse_spans(series)
+    lines += ["", f"Longest gate collapse: {describe_span(longest_collapse(spans))}; longest with a layer's attention "
+              f"off (every gate < {COLLAPSE_LOW}): {describe_span(longest_collapse(spans, ATTENTION_OFF))}."]
     warnings = gate_warnings(series)
     lines += ["", "Gate warnings:" if warnings else "Gate warnings: none.", ""]
     if warnings:

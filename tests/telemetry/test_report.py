@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from nsa.errors import UserError
-from nsa.telemetry.report import gate_warnings, render_report, stale_ranks, summary_markdown
+from nsa.telemetry.report import (ATTENTION_OFF, collapse_spans, describe_span, gate_warnings, longest_collapse,
+                                  render_report, stale_ranks, summary_markdown)
 from nsa.telemetry.run_files import layer_series, load_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,6 +155,20 @@ def test_gate_warnings_thresholds():
     assert gate_warnings([healthy]) == []
     assert any("flat" in w for w in gate_warnings([moving]))
     assert len([w for w in gate_warnings([moving]) if "collapsed" in w]) == 3  # 0.005, 0.01 and 0.99
+
+
+def test_collapse_spans_say_how_long_each_gate_stayed_collapsed():
+    gates = {100: [0.3, 0.3, 0.3], 200: [0.01, 0.4, 0.01], 300: [0.01, 0.01, 0.01], 400: [0.01, 0.3, 0.01],
+             500: [0.3, 0.3, 0.01], 600: [0.3, 0.99, 0.01]}
+    stats = [{"step": step, "layers": [{"layer": 0, "gate_mean": g}]} for step, g in gates.items()]
+    spans = collapse_spans(layer_series(stats))
+    assert [(sp.what, sp.start, sp.end) for sp in spans] == [
+        ("compressed", 200, 400), ("selected", 300, 300), ("selected", 600, 600), ("window", 200, 600),
+        (ATTENTION_OFF, 300, 300)]
+    assert describe_span(longest_collapse(spans)) == "layer 0, window, steps 200-600 (400 steps)"
+    assert longest_collapse(spans, ATTENTION_OFF).steps == 0
+    healthy = collapse_spans(layer_series([{"step": 10, "layers": [{"layer": 0, "gate_mean": [0.3, 0.3, 0.3]}]}]))
+    assert healthy == [] and describe_span(longest_collapse(healthy)) == "none"
 
 
 def test_stale_ranks_scale_with_the_heartbeat_rhythm():
