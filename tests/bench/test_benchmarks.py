@@ -168,6 +168,10 @@ def no_gpu(tmp_path) -> Path:
     ("two_gpus.sh", ["{out}"], "usage: bash benchmarks/two_gpus.sh OUT_DIR PART"),
     ("two_gpus.sh", ["{out}", "scale", "fast"], "unknown part 'fast'"),
     ("two_gpus.sh", ["{out}", "small"], "no CUDA GPU found"),
+    ("retrieval_grid.sh", [], "usage: bash benchmarks/retrieval_grid.sh OUT_DIR"),
+    ("retrieval_grid.sh", ["{out}", "--reruns", "0"], "--reruns takes a positive number"),
+    ("retrieval_grid.sh", ["{out}", "--gpus", "a,b"], "--gpus takes GPU indices"),
+    ("retrieval_grid.sh", ["{out}"], "no CUDA GPU found"),
     ("recipes.sh", ["train", "{out}"], "usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR"),
     ("recipes.sh", ["learn"], "usage:"),
     ("recipes.sh", ["learn", "{out}", "--seeds", "0"], "--seeds takes a positive number"),
@@ -182,6 +186,19 @@ def test_scripts_refuse_bad_arguments_in_one_line(tmp_path, no_gpu, script, args
     out = _bash(script, *(a.format(out=tmp_path / "out") for a in args), path_first=no_gpu)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stdout == ""
+
+
+def test_the_retrieval_grid_spreads_seeds_and_reruns_over_the_gpus(tmp_path, no_gpu):
+    out = _bash("retrieval_grid.sh", str(tmp_path / "grid"), "--seeds", "2", "--gpus", "0,3", "--dry-run", "--",
+                "--eval-samples", "32", path_first=no_gpu)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    grid = tmp_path / "grid"
+    assert len(lines) == 2 * 2 * 2  # seeds x reruns x (nsa, dense)
+    assert lines[0] == f"GPU 0: nsa seed 1337 rerun 1 -> {grid}/nsa-1337-r1"
+    assert {line.split(" -> ")[1] for line in lines} == {f"{grid}/{a}-{s}-r{k}" for a in ("nsa", "dense")
+                                                          for s in (1337, 1338) for k in (1, 2)}
+    assert {line.split(":")[0] for line in lines} == {"GPU 0", "GPU 3"} and not grid.exists()
 
 
 def test_every_test_gpu_check_runs_exists():
