@@ -12,6 +12,8 @@ an upper bound by at most the window. Activations are left out: at decode they a
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -54,8 +56,6 @@ def copy_bandwidth(device: torch.device, megabytes: int = 512, reps: int = 10) -
         end.synchronize()
         seconds = start.elapsed_time(end) / 1e3
     else:
-        import time
-
         t0 = time.perf_counter()
         for _ in range(reps):
             target.copy_(source)
