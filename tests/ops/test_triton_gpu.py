@@ -26,6 +26,17 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def assert_bf16_output_and_gradients(out, ins, ref, f32):
+    """The bf16 kernels' output within 1e-2 and every gradient within 2e-2 (finite) of the float32 reference's."""
+    assert rel_err(out, ref) < 1e-2
+    do = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, ins, do.to(torch.bfloat16))
+    ref_grads = torch.autograd.grad(ref, f32, do)
+    for grad_name, g, r in zip(NAMES, grads, ref_grads):
+        assert torch.isfinite(g).all(), grad_name
+        assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
+
+
 def bf16_inputs(B, T, name, seed=0, requires_grad=True):
     H, G, Dk, Dv = SHAPES[name]
     ins = nsa_inputs(B, T, H, G, Dk, Dv, block_len=32, block_stride=16, seed=seed)
@@ -49,13 +60,7 @@ def test_bf16_kernels_match_the_float32_reference(name, T):
     out = nsa_attention(*ins, **HP, backend="triton")
     # Compare on the kernel's own selection so that near-tie swaps do not count as errors.
     ref = reference.nsa_attention(*f32, **HP, indices=idx)
-    assert rel_err(out, ref) < 1e-2
-    do = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, ins, do.to(torch.bfloat16))
-    ref_grads = torch.autograd.grad(ref, f32, do)
-    for grad_name, g, r in zip(NAMES, grads, ref_grads):
-        assert torch.isfinite(g).all(), grad_name
-        assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
+    assert_bf16_output_and_gradients(out, ins, ref, f32)
 
 
 @pytest.mark.parametrize(
@@ -638,13 +643,7 @@ def test_packed_bf16_kernels_match_the_float32_reference_per_document():
 
     out = nsa_attention(*ins, **HP, cu_seqlens=cu, backend="triton")
     ref = reference.nsa_attention(*f32, **HP, indices=idx, cu_seqlens=cu)
-    assert rel_err(out, ref) < 1e-2
-    do = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, ins, do.to(torch.bfloat16))
-    ref_grads = torch.autograd.grad(ref, f32, do)
-    for grad_name, g, r in zip(NAMES, grads, ref_grads):
-        assert torch.isfinite(g).all(), grad_name
-        assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
+    assert_bf16_output_and_gradients(out, ins, ref, f32)
 
 
 @pytest.mark.parametrize("T", [700, 4133])
