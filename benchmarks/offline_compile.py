@@ -144,7 +144,9 @@ def compile_gluon(kernel, descriptors: dict, consts: dict, types: dict, warps: i
     from triton.runtime.jit import mangle_type
 
     names = kernel.arg_names
-    consts = dict(consts, num_warps=warps)
+    # constexpr arguments left out take their defaults, as a launch that omits them does
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    consts = dict(defaults, **consts, num_warps=warps)
     sig = {n: "constexpr" if n in consts else mangle_type(descriptors[n]) if n in descriptors else types.get(n, "i32")
            for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

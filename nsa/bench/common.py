@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import statistics
 import time
@@ -11,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from ..ops.tuning import TUNING, Tuning
 from ..telemetry.environment import git_revision, versions
 
 
@@ -125,7 +127,13 @@ def environment() -> dict:
         **{k: v[k] for k in ("torch", "triton", "cuda", "python")},
         "git": git_revision(),
         "fla": v["fla"],
+        "tuning": tuning_changes(),
     }
+
+
+def tuning_changes() -> dict:
+    """The launch parameters and kernel switches of TUNING that differ from their defaults (e.g. --gluon-packed)."""
+    return {f.name: getattr(TUNING, f.name) for f in dataclasses.fields(Tuning) if getattr(TUNING, f.name) != f.default}
 
 
 def write_results(rows: list[dict], out_dir: str | Path, name: str, meta: dict) -> tuple[Path, Path]:

@@ -3,8 +3,9 @@
 Every choice between kernels is made here, from the tensors' metadata and `TUNING`:
 
 - span_forward, span_dkdv (compressed, window and tiled selected branches) and query_grad (dQ of every branch):
-  the Gluon kernel of nsa.ops.gluon where its switch is on and it supports the call (an sm_90 GPU, bf16, ...),
-  the Triton kernel of nsa.ops.triton otherwise, and always for packed documents (a PackedLayout);
+  the Gluon kernel of nsa.ops.gluon where its switch is on and it supports the call (an sm_90 GPU, bf16, ...;
+  packed documents, a PackedLayout, only with TUNING.gluon_packed, and never the tiled selected branch), the
+  Triton kernel of nsa.ops.triton otherwise;
 - selected_path: the selected branch's path (tiled, per-query or block-centric), from T, h and l' alone, so that
   torch.compile's fake tensors decide it too;
 - selected_forward, selected_backward: that path's kernels, the block-centric ones in Gluon for calls large enough;
@@ -71,6 +72,11 @@ def inverse_index_readers(q: Tensor, k: Tensor, sel_block: int, needs_grad: bool
     return forward, forward or (needs_grad and selected_path(T, h, sel_block) == BLOCKS)
 
 
+def _gluon_takes(layout: PackedLayout | None) -> bool:
+    """Whether a call may go to a Gluon kernel at all: unpacked calls, and packed ones with TUNING.gluon_packed."""
+    return layout is None or TUNING.gluon_packed
+
+
 def _gluon_selected_forward(q: Tensor, k: Tensor, v: Tensor, sel_block: int) -> bool:
     return (TUNING.gluon_selected_forward and q.numel() >= TUNING.gluon_selected_forward_min_elements
             and gluon_selected_forward.supports(q, k, v, sel_block))
@@ -94,8 +100,10 @@ def span_forward(q: Tensor, k: Tensor, v: Tensor, mode: int, scale: float, geome
     o = q.new_empty(B, T, H, v.shape[-1])
     lse = q.new_empty(B, T, H, dtype=torch.float32)
     out = torch.empty_like(o) if gated is not None else o
-    if layout is None and TUNING.gluon_forward and gluon_forward.supports(q, k, v, mode, geometry.sel_block):
-        gluon_forward.launch(q, k, v, o, lse, mode, scale, geometry, *triton_span.selection_args(bits, q), gated, out)
+    if TUNING.gluon_forward and _gluon_takes(layout) and gluon_forward.supports(q, k, v, mode, geometry.sel_block,
+                                                                                  layout):
+        gluon_forward.launch(q, k, v, o, lse, mode, scale, geometry, *triton_span.selection_args(bits, q), gated, out,
+                             layout)
     else:
         triton_span.forward(q, k, v, o, lse, mode, scale, geometry, bits, gated, out, layout)
     return (o, lse, out) if gated is not None else (o, lse)
@@ -113,7 +121,8 @@ def span_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: T
     """
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    gluon = layout is None and TUNING.gluon_backward and gluon_backward.supports(q, k, v, do, mode, geometry.sel_block)
+    gluon = (TUNING.gluon_backward and _gluon_takes(layout)
+             and gluon_backward.supports(q, k, v, do, mode, geometry.sel_block, layout))
     tiles = gluon_backward.config(Dk) if gluon else tile_sizes(q, Dk, Dv, "dkdv")
     rows = T * (H // G)
     if mode == MODE_WIN:  # a window key is seen by at most w queries: one program holds them
@@ -131,7 +140,7 @@ def span_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: T
     dv_out = alloc((parts, *v.shape), device=v.device, dtype=dtype)
     if NK > 0 and gluon:
         gluon_backward.launch(q, k, v, do, lse, delta, dk_out, dv_out, mode, scale, geometry,
-                              *triton_span.selection_args(bits, q), splits, rows_per_split)
+                              *triton_span.selection_args(bits, q), splits, rows_per_split, layout)
     elif NK > 0:
         triton_span.dkdv(q, k, v, do, lse, delta, dk_out, dv_out, mode, scale, geometry, bits, splits, rows_per_split,
                          layout)
@@ -146,9 +155,9 @@ def query_grad(q: Tensor, do: Tensor, lse_g: Tensor, delta: Tensor, scale: float
     lse_g and delta [3,B,T,H] (cmp, sel, win) are gating.gate_grads's gated lse and dL/dg.
     """
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    if layout is None and TUNING.gluon_query_grad and gluon_query_grad.supports(q, do, cmp, win, sel,
-                                                                                geometry.sel_block):
-        gluon_query_grad.launch(q, do, dq, lse_g, delta, scale, geometry, cmp, win, sel)
+    if (TUNING.gluon_query_grad and _gluon_takes(layout)
+            and gluon_query_grad.supports(q, do, cmp, win, sel, geometry.sel_block, layout)):
+        gluon_query_grad.launch(q, do, dq, lse_g, delta, scale, geometry, cmp, win, sel, layout)
     else:
         triton_query_grad.launch(q, do, dq, lse_g, delta, scale, geometry, cmp, win, sel, layout)
     return dq
@@ -163,7 +172,7 @@ def selected_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse: 
     """(o, o_sel, lse_sel): the selected branch and the gated sum of all three branches.
 
     `inverse` (from inverse_index.build_inverse_index, with the same `layout`) is read on the block-centric path.
-    With `layout`, a packed stream's documents (document-relative indices), on the Triton kernels.
+    With `layout`, a packed stream's documents (document-relative indices).
     """
     B, T, H, _ = q.shape
     G, Dv = k.shape[2], v.shape[-1]
@@ -182,8 +191,8 @@ def selected_forward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse: 
     else:
         opart = q.new_empty(B * G * T * n, h, Dv)
         lsepart = q.new_empty(B * G * T * n, h, dtype=torch.float32)
-        if layout is None and _gluon_selected_forward(q, k, v, sel_block):
-            gluon_selected_forward.launch(q, k, v, inverse, opart, lsepart, scale, n)
+        if _gluon_takes(layout) and _gluon_selected_forward(q, k, v, sel_block):
+            gluon_selected_forward.launch(q, k, v, inverse, opart, lsepart, scale, n, layout)
         else:
             triton_selected.block_partials(q, k, v, inverse, opart, lsepart, scale, sel_block, n, layout)
     triton_selected.finalize(opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel, merge=path == BLOCKS)
@@ -194,7 +203,7 @@ def selected_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse:
                       delta: Tensor, scale: float, geometry: NSAGeometry,
                       layout: PackedLayout | None = None) -> tuple[Tensor, Tensor, SelectedDQ]:
     """(dK, dV) (float32, or k's type where span_dkdv stores them once) and the branch's share of dQ as query_grad
-    takes it. With `layout`, a packed stream's documents, on the Triton kernels (`inverse` built with it too).
+    takes it. With `layout`, a packed stream's documents (`inverse` built with it too).
 
     do is the gradient of the gated sum; lse and delta [B,T,H] are the branch's gated ones from
     gating.gate_grads (lse_sel - ln(gate), rowsum(do * o_sel)).
@@ -220,7 +229,7 @@ def selected_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse:
     block_l = triton_selected.block_tile(sel_block)["BLOCK_L"]
     dk_acc, dv_acc = ((torch.empty(item_key.numel(), block_l, x.shape[-1], device=x.device, dtype=torch.float32)
                        for x in (k, v)) if partials else (dk_out, dv_out))
-    gluon = layout is None and _gluon_selected_backward(q, k, v, do, sel_block, write_dq=not token)
+    gluon = _gluon_takes(layout) and _gluon_selected_backward(q, k, v, do, sel_block, write_dq=not token)
     # The Gluon kernel adds the rows' dQ into one float32 dQ (less memory than per-slot shares, a float32 sum),
     # except in deterministic mode, whose sums need a fixed order: there it writes shares as Triton's does.
     dq_adds = gluon and not token and not partials
@@ -230,7 +239,7 @@ def selected_backward(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, inverse:
         dqpart = q if token else q.new_empty(B * G * T * n, h, Dk)
     if gluon:
         gluon_selected_backward.launch(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, scale, n, not token,
-                                       partials, dq_adds)
+                                       partials, dq_adds, layout)
     else:
         triton_selected.block_backward(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, scale, sel_block,
                                        n, not token, partials, layout)

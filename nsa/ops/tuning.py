@@ -60,6 +60,11 @@ class Tuning:
     gluon_selected_backward: bool = True
     """The same for the block-centric selected branch's dK/dV and dQ shares (nsa.ops.gluon.selected_backward; its
     tiles: gluon_dkdv_*)."""
+    gluon_packed: bool = False
+    """Also run packed documents (a PackedLayout) on the Gluon kernels above (all but the tiled selected branch,
+    which stays on Triton's). Experimental, so off: the Triton kernels, which the CPU tests check against the
+    reference, serve packed calls; tests/ops/test_triton_gpu.py checks the Gluon ones against them on a Hopper
+    GPU."""
     gluon_selected_forward_min_elements: int = 1 << 24
     """The Gluon block-centric forward serves from this many elements of q (B * T * H * Dk) on: below, a call is
     bound by host time, and a Gluon launch (it builds TMA descriptors) costs more of it than a Triton one."""

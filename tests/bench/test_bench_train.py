@@ -21,3 +21,17 @@ def test_a_bench_row_trains_on_the_documents_of_its_overrides(tmp_path, monkeypa
         assert loss.item() > 0 and norm.item() > 0 and trainer.step == 1
     finally:
         trainer.data.train.close()
+
+
+def test_gluon_packed_is_set_by_its_flag_and_recorded_in_the_results_environment(monkeypatch, capsys):
+    from nsa.bench.common import environment
+    from nsa.cli import main
+    from nsa.ops.tuning import TUNING
+
+    monkeypatch.setattr(TUNING, "gluon_packed", False)
+    assert "gluon_packed" not in environment()["tuning"]
+    # Without a GPU the benchmark stops with its one-line error, after the flag took effect.
+    assert main(["bench", "attention", "--docs", "64k:2k"]) != 0 and TUNING.gluon_packed is False
+    assert main(["bench", "attention", "--docs", "64k:2k", "--gluon-packed"]) != 0
+    assert TUNING.gluon_packed is True and environment()["tuning"] == {"gluon_packed": True}
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -151,3 +151,40 @@ def test_gluon_selected_forward_builds_for_both_head_dims():
         "    print(D, h, 'wgmma.mma_async' in ptx and 'cp.async.cg' in ptx, report(c))\n"
     )
     _assert_built(check, 3)
+
+
+def test_gluon_kernels_build_for_packed_documents():
+    # PACKED reads nsa.ops.packing's tables (int32): each Gluon kernel's packed variant builds for sm_90 without
+    # spilling (their numbers are checked against the Triton kernels on the GPU).
+    check = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import torch\n"
+        "from offline_compile import compile_gluon, report\n"
+        "from nsa.ops.gluon import backward as hb, common, forward as hf, query_grad as hq\n"
+        "from nsa.ops.gluon import selected_backward as hsb, selected_forward as hsf\n"
+        "tables = ('DOC_START', 'CMP_START', 'DOC_END', 'CMP_READY', 'CMP_DOC_END', 'BLOCK_START', 'BLOCK_END')\n"
+        "base = {n: '*i32' for n in tables + ('ITEM_KEY', 'ITEM_START', 'ITEM_COUNT', 'ENTRIES')}\n"
+        "base |= {n: '*bf16' for n in ('Q', 'O', 'O_CMP', 'O_WIN', 'GATES', 'OUT', 'DO', 'DQ', 'PARTS', 'OPART')}\n"
+        "base |= {n: '*fp32' for n in ('LSE', 'DELTA', 'DKo', 'DVo', 'LSEPART', 'DQPART', 'DQ_SEL')}\n"
+        "base |= {f'{x}_{c}': '*fp32' for x in ('LSE', 'DELTA') for c in 'CSW'}\n"
+        "base |= {'BITS': '*i64', 'SEL_IDX': '*i64', 'scale_log2': 'fp32', 'scale': 'fp32'}\n"
+        "cases = ((hf._span_forward_kernel, hf.config, 'kv', dict(h=6, MODE=0, DK=64, DV=64, GATED=False)),\n"
+        "         (hf._span_forward_kernel, hf.config, 'kv', dict(h=6, MODE=1, DK=64, DV=64, GATED=False)),\n"
+        "         (hb._span_dkdv_kernel, hb.config, 'kv', dict(h=6, MODE=0, D=64, ATOMIC=True)),\n"
+        "         (hb._span_dkdv_kernel, hb.config, 'kv', dict(h=6, MODE=1, D=64, ATOMIC=False)),\n"
+        "         (hq._query_grad_kernel, hq.config, 'csw',\n"
+        "          dict(h=6, HAS_CMP=True, HAS_WIN=True, SEL=3, NP=16, D=64)),\n"
+        "         (hsf._selected_forward_kernel, hsf.config, 'kv', dict(n=16, h=6, D=64)),\n"
+        "         (hsb._selected_backward_kernel, hb.config, 'kv',\n"
+        "          dict(n=16, h=6, D=64, WRITE_DQ=True, PARTIALS=False, DQ_ADD=True)))\n"
+        "for kernel, config, names, consts in cases:\n"
+        "    cfg = config(64); warps = cfg.pop('num_warps')\n"
+        "    kv = torch.empty(1, 256, 2, 64, dtype=torch.bfloat16)\n"
+        "    if names == 'kv':\n"
+        "        descs = {f'{x}_desc': common.descriptor(kv, cfg['BLOCK_N']) for x in 'kv'}\n"
+        "    else:\n"
+        "        descs = {f'{x}{c}_desc': common.descriptor(kv, cfg['BLOCK_N']) for x in 'kv' for c in names}\n"
+        "    types = {n: t for n, t in base.items() if n in kernel.arg_names}\n"
+        "    c = compile_gluon(kernel, descs, dict(consts, PACKED=True, **cfg), types, warps, divisible=True)\n"
+        "    print(kernel.__name__, 'wgmma.mma_async' in c.asm['ptx'], report(c))\n"
+    )
+    _assert_built(check, 7)

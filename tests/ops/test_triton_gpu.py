@@ -65,15 +65,18 @@ def test_bf16_kernels_match_the_float32_reference(name, T):
 
 @pytest.mark.parametrize(
     "name,T",
-    # M7C at 4096 tokens (64 blocks): the selected forward tiled, its backward block-centric; groups of 16 at 8192
-    # tokens: the selected forward and dQ per query.
-    [("m7c", 4096), ("paper", 8192)],
+    # M7C at 4096 tokens (64 blocks): the selected forward tiled, its backward block-centric; groups of 16 (the
+    # tiled path turned off): the selected forward and dQ per query. Short enough for the float64 reference.
+    [("m7c", 4096), ("paper", 2048)],
 )
-def test_float32_kernels_match_the_float64_reference_unless_tf32_is_allowed(name, T):
+def test_float32_kernels_match_the_float64_reference_unless_tf32_is_allowed(name, T, monkeypatch):
     # Float32 inputs multiply in float32 unless PyTorch allows TF32 (nsa.ops.triton.common.dot_precision): then the
     # output and every gradient are float32-accurate, and the selection is the float64 reference's except where two
     # blocks' scores tie within float32's resolution (these inputs hold such ties, within 1e-7). With TF32
     # allowed, the kernels multiply in TF32, like PyTorch's matmuls, to bf16's tolerances.
+    if name == "paper":
+        for field in ("tiled_max_blocks_large_groups", "tiled_max_blocks_forward"):
+            monkeypatch.setattr(TUNING, field, 0)
     H, G, Dk, Dv = SHAPES[name]
     ins = [t.cuda().requires_grad_() for t in nsa_inputs(1, T, H, G, Dk, Dv, block_len=32, block_stride=16, seed=T)]
     f64 = [t.detach().double().requires_grad_() for t in ins]
@@ -634,7 +637,10 @@ def test_packed_span_stages_in_bf16_match_the_float32_reference_per_document(mod
         assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
 
 
-def test_packed_bf16_kernels_match_the_float32_reference_per_document():
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_packed_bf16_kernels_match_the_float32_reference_per_document(gluon, monkeypatch):
+    # With gluon, packed calls take the Gluon kernels where they apply (TUNING.gluon_packed; sm_90 only).
+    monkeypatch.setattr(TUNING, "gluon_packed", gluon)
     ins, cu = packed_bf16_inputs("m7c", varied_document_lengths(16384, 4096, seed=7), seed=7)
     idx = select_blocks(ins[0], ins[1], **SELECT_HP, cu_seqlens=cu, backend="triton")
     f32 = [t.detach().float().requires_grad_() for t in ins]
@@ -658,3 +664,99 @@ def test_one_packed_document_is_the_unpacked_nsa_call(T):
     do = torch.randn_like(out)
     for grad_name, g, r in zip(NAMES, torch.autograd.grad(packed, ins, do), torch.autograd.grad(out, ins, do)):
         assert rel_err(g, r) < 2e-2, (grad_name, rel_err(g, r))
+
+
+def packed_gluon_inputs(seed):
+    """The bf16 inputs (detached) and cu_seqlens of a packed M7C stream of 16k tokens (documents of 1 to 4k tokens,
+    a 1-token, a sub-block and a non-multiple one, two empty ones) with its PackedLayout; skips off sm_90."""
+    from nsa.ops.packing import packed_layout
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are built for sm_90")
+    ins, cu = packed_bf16_inputs("m7c", varied_document_lengths(16384, 4096, seed=seed), seed=seed)
+    ins = [t.detach() for t in ins]
+    return ins, cu, packed_layout(cu, GEOMETRY, ins[0].shape[1], ins[1].shape[1])
+
+
+@pytest.fixture
+def gluon_packed(monkeypatch):
+    """Packed calls may take the Gluon kernels (TUNING.gluon_packed)."""
+    monkeypatch.setattr(TUNING, "gluon_packed", True)
+
+
+@pytest.mark.parametrize("mode", [0, 1], ids=["cmp", "win"])
+def test_gluon_span_kernels_on_packed_documents_match_the_triton_kernels(mode, gluon_packed, monkeypatch):
+    # The Gluon span forward and dK/dV kernels with PACKED on, against the Triton kernels the CPU tests check on
+    # packed documents: output, lse (-inf for the same rows: tokens before their document's first compressed
+    # token), dK and dV, every Gluon launch counted.
+    from nsa.ops.gluon import backward as gluon_backward
+    from nsa.ops.gluon import forward as gluon_forward
+
+    ins, _, layout = packed_gluon_inputs(seed=11 + mode)
+    q, k, v = (ins[0], ins[1], ins[2]) if mode == 0 else (ins[0], ins[5], ins[6])
+    scale = q.shape[-1] ** -0.5
+    fwd = gluon_and_triton(monkeypatch, gluon_forward, "gluon_forward", lambda: (
+        dispatch.span_forward(q, k, v, mode, scale, GEOMETRY, None, None, layout)))
+    (o, lse), (o_t, lse_t) = fwd[True], fwd[False]
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_t))
+    torch.testing.assert_close(lse[torch.isfinite(lse_t)], lse_t[torch.isfinite(lse_t)], rtol=0, atol=2e-3)
+    assert rel_err(o, o_t) < 5e-3, rel_err(o, o_t)
+    do = torch.randn_like(o_t)
+    delta = (do.float() * o_t.float()).sum(-1)
+    bwd = gluon_and_triton(monkeypatch, gluon_backward, "gluon_backward", lambda: (
+        dispatch.span_dkdv(q, k, v, do, lse_t, delta, mode, scale, GEOMETRY, None, layout)))
+    for grad_name, a, b in zip(("dk", "dv"), bwd[True], bwd[False]):
+        assert torch.isfinite(a).all(), grad_name
+        assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
+
+
+def test_gluon_selected_kernels_on_packed_documents_match_the_triton_kernels(gluon_packed, monkeypatch):
+    # The block-centric Gluon selected forward and backward with PACKED on (blocks start at their document's first
+    # token; a document's last block is short) against the Triton kernels: o, o_sel, lse_sel, dK, dV and dQ.
+    from nsa.ops.gluon import selected_backward as gluon_selected_backward
+    from nsa.ops.gluon import selected_forward as gluon_selected_forward
+
+    for field in ("tiled_max_blocks", "tiled_max_blocks_large_groups", "tiled_max_blocks_forward",
+                  "gluon_selected_forward_min_elements", "gluon_selected_backward_min_elements"):
+        monkeypatch.setattr(TUNING, field, 0)
+    ins, cu, layout = packed_gluon_inputs(seed=13)
+    q, k_cmp, k, v, gates = ins[0], ins[1], ins[3], ins[4], ins[7]
+    T, scale = q.shape[1], q.shape[-1] ** -0.5
+    idx = select_blocks(q, k_cmp, **SELECT_HP, cu_seqlens=cu, backend="triton")
+    inverse = build_inverse_index(idx, T, HP["sel_block"], layout)
+    o_cmp, o_win = torch.randn_like(q), torch.randn_like(q)
+    fwd = gluon_and_triton(monkeypatch, gluon_selected_forward, "gluon_selected_forward", lambda: (
+        dispatch.selected_forward(q, k, v, idx, inverse, o_cmp, o_win, gates, scale, GEOMETRY, layout)))
+    for out_name, a, b in zip(("o", "o_sel", "lse_sel"), fwd[True], fwd[False]):
+        assert torch.isfinite(a).all(), out_name
+        assert rel_err(a, b) < 5e-3, (out_name, rel_err(a, b))
+    _, o_sel, lse = fwd[False]
+    do = torch.randn_like(o_sel)
+    delta = (do.float() * o_sel.float()).sum(-1)
+    bwd = gluon_and_triton(monkeypatch, gluon_selected_backward, "gluon_selected_backward", lambda: (
+        dispatch.selected_backward(q, k, v, idx, inverse, do, lse, delta, scale, GEOMETRY, layout)))
+    (dk, dv, sel), (dk_t, dv_t, sel_t) = bwd[True], bwd[False]
+    for grad_name, a, b in (("dk", dk, dk_t), ("dv", dv, dv_t), ("dq", sel.dense(), sel_t.dense())):
+        assert torch.isfinite(a).all(), grad_name
+        assert rel_err(a, b) < 5e-3, (grad_name, rel_err(a, b))
+
+
+def test_gluon_query_grad_on_packed_documents_matches_the_triton_kernel(gluon_packed, monkeypatch):
+    # The Gluon dQ kernel with PACKED on inside a whole packed backward (compressed and window ranges inside each
+    # document, the selected branch's block-centric shares), against the Triton dQ kernel.
+    from nsa.ops.gluon import query_grad as gluon_query_grad
+
+    ins, cu, _ = packed_gluon_inputs(seed=17)
+    calls = []
+    original = gluon_query_grad.launch
+    monkeypatch.setattr(gluon_query_grad, "launch", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    ins = [t.requires_grad_() for t in ins]
+    do = torch.randn(ins[0].shape[:3] + (ins[4].shape[-1],), device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for gluon in (True, False):
+        monkeypatch.setattr(TUNING, "gluon_query_grad", gluon)
+        out = nsa_attention(*ins, **HP, cu_seqlens=cu, backend="triton")
+        grads[gluon] = torch.autograd.grad(out, ins[0], do)[0]
+    assert calls == [1], "the Gluon dQ kernel did not run (or ran twice)"
+    assert torch.isfinite(grads[True]).all()
+    assert rel_err(grads[True], grads[False]) < 5e-3, rel_err(grads[True], grads[False])

@@ -24,7 +24,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..geometry import NSAGeometry
 from ..tuning import TUNING
-from .common import descriptor, layout_ok, row_io_layout, rows_copyable, store_grad, wgmma_layout
+from ..packing import PackedLayout
+from .common import (descriptor, document_key_queries, layout_ok, row_io_layout, rows_copyable, store_grad,
+                     wgmma_layout)
 
 
 @gluon.jit
@@ -106,11 +108,11 @@ def _sees(key, t, row_ok, MODE: gl.constexpr, NK, block_len, block_stride, windo
 
 @gluon.jit
 def _span_dkdv_kernel(
-    Q, DO, k_desc, v_desc, LSE, DELTA, DKo, DVo, BITS,
+    Q, DO, k_desc, v_desc, LSE, DELTA, DKo, DVo, BITS, DOC_END, CMP_READY, CMP_DOC_END,
     sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdkb, sdkt, sdkg, sdvb, sdvt, sdvg, sdks, sdvs, sbb, sbt, sbg,
     T, NK, G, scale_log2, scale, block_len, block_stride, window, sel_block, rows_per_split,
     h: gl.constexpr, MODE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, ATOMIC: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, ATOMIC: gl.constexpr, num_warps: gl.constexpr, PACKED: gl.constexpr = False,
 ):
     pid_n = gl.program_id(0)
     pid_split = gl.program_id(1)
@@ -131,7 +133,17 @@ def _span_dkdv_kernel(
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
     k_first = pid_n * BLOCK_N
-    t_lo, t_hi, f_lo, f_hi = _rows_seeing(k_first, NK, T, MODE, BLOCK_N, block_len, block_stride, window)
+    key = k_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    if PACKED:
+        # One stream of documents (B = 1; MODE_CMP or MODE_WIN): from each key's own range of queries. A tile of
+        # keys of two documents has no row that sees all of them (f_lo > f_hi).
+        q_first, q_last = document_key_queries(key, NK, T, DOC_END, CMP_READY, CMP_DOC_END, MODE, window)
+        t_lo = gl.min(q_first, 0)
+        t_hi = gl.max(q_last, 0)
+        f_lo = gl.max(gl.where(key < NK, q_first, -1), 0)
+        f_hi = gl.min(gl.where(key < NK, q_last, T), 0)
+    else:
+        t_lo, t_hi, f_lo, f_hi = _rows_seeing(k_first, NK, T, MODE, BLOCK_N, block_len, block_stride, window)
     # This program covers rows [split_lo, split_hi) of the (token, head) rows that see the tile, in steps from
     # row_start; the steps inside [a, e) see every key of the tile (no range mask).
     split_lo = pid_split * rows_per_split
@@ -165,7 +177,6 @@ def _span_dkdv_kernel(
                         g, slb, slt, sbb, sbt, sbg, h, MODE, BLOCK_M, vec)
         async_copy.commit_group()  # one group per step, empty or not, so wait_group counts steps
 
-    key = k_first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=st_layout)
     dk_acc = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
     dv_acc = gl.zeros([BLOCK_N, D], gl.float32, layout=acc_layout)
@@ -194,7 +205,11 @@ def _span_dkdv_kernel(
         pt = gl.exp2(st * scale_log2 - lse2[None, :])
         if (r0 < a) | (r0 >= e):
             r = r0 + gl.arange(0, BLOCK_M, layout=col)
-            pt = gl.where(_sees(key, r // h, r < split_hi, MODE, NK, block_len, block_stride, window), pt, 0.0)
+            if PACKED:
+                tt = gl.where(r < split_hi, r // h, -1)[None, :]
+                pt = gl.where((q_first[:, None] <= tt) & (tt <= q_last[:, None]), pt, 0.0)
+            else:
+                pt = gl.where(_sees(key, r // h, r < split_hi, MODE, NK, block_len, block_stride, window), pt, 0.0)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv_acc = warpgroup_mma(pt_op, do_s, dv_acc, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
@@ -224,18 +239,24 @@ def config(d: int) -> dict:
     return dict(BLOCK_M=32, BLOCK_N=64, STAGES=2, num_warps=4)
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, mode: int, sel_block: int) -> bool:
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, mode: int, sel_block: int,
+             layout: PackedLayout | None = None) -> bool:
     """Whether this kernel can take the call: common.layout_ok, q's and do's rows copyable in 16-byte pieces
-    (common.rows_copyable), and for the selected branch whole blocks per key tile."""
+    (common.rows_copyable), and for the selected branch whole blocks per key tile; packed documents (`layout`)
+    for the compressed and window branches (the tiled selected branch's tiles do not align with a document's
+    blocks: Triton's kernel takes it)."""
+    if layout is not None and mode == 2:
+        return False
     if not layout_ok(q, k, v) or do.dtype != q.dtype or do.shape != q.shape[:3] + (v.shape[-1],):
         return False
     return rows_copyable(q, do) and (mode != 2 or sel_block % config(q.shape[-1])["BLOCK_N"] == 0)
 
 
 def launch(q, k, v, do, lse, delta, dk_out, dv_out, mode: int, scale: float, geometry: NSAGeometry, bits,
-           bit_strides: tuple, splits: int, rows_per_split: int) -> None:
+           bit_strides: tuple, splits: int, rows_per_split: int, layout: PackedLayout | None = None) -> None:
     """The span dK/dV (tiles: config). dk_out and dv_out are [parts, *k.shape]: with one part, splits > 1 add into
-    it (float32, zeroed) and a single split writes it; with `splits` parts, each split writes its own."""
+    it (float32, zeroed) and a single split writes it; with `splits` parts, each split writes its own. With
+    `layout`, one packed stream of documents."""
     B, T, H, D = q.shape
     NK, G = k.shape[1], k.shape[2]
     cfg = config(D)
@@ -243,8 +264,10 @@ def launch(q, k, v, do, lse, delta, dk_out, dv_out, mode: int, scale: float, geo
     parts = dk_out.shape[0]
     _span_dkdv_kernel[grid](
         q, do, descriptor(k, cfg["BLOCK_N"]), descriptor(v, cfg["BLOCK_N"]), lse, delta, dk_out, dv_out, bits,
+        *((layout.doc_end, layout.cmp_ready, layout.cmp_doc_end) if layout is not None else (None, None, None)),
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
         *dk_out.stride()[1:4], *dv_out.stride()[1:4], *((dk_out.stride(0), dv_out.stride(0)) if parts > 1 else (0, 0)),
         *bit_strides, T, NK, G, scale * 1.4426950408889634, scale, geometry.block_len, geometry.block_stride,
-        geometry.window, geometry.sel_block, rows_per_split, h=H // G, MODE=mode, D=D, ATOMIC=splits > parts, **cfg,
+        geometry.window, geometry.sel_block, rows_per_split, h=H // G, MODE=mode, D=D, ATOMIC=splits > parts,
+        PACKED=layout is not None, **cfg,
     )

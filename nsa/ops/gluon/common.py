@@ -3,10 +3,11 @@
 - tensors: `layout_ok` (the tensors every Gluon kernel can take), `is_sm90`, `descriptor` (TMA tiles of keys or
   values);
 - layouts: the wgmma result's and the row-major layouts of loads, stores and atomic adds;
-- span keys: `key_range` and `load_kv`, the key/value ring of the forward and dQ kernels;
+- span keys: `key_range` (and `document_key_range`, `document_key_queries` for packed documents) and `load_kv`,
+  the key/value ring of the forward and dQ kernels;
 - gradients: `store_grad`, a dK or dV tile stored or added;
-- work items: `item_block`, `masked_rows`, `load_block`, `step_entries` and `ring_turn`, the block-centric
-  selected kernels' walk over an item of the inverse index.
+- work items: `item_block`, `block_first`, `masked_rows`, `load_block`, `step_entries` and `ring_turn`, the
+  block-centric selected kernels' walk over an item of the inverse index.
 """
 
 from __future__ import annotations
@@ -114,6 +115,35 @@ def key_range(t, row_ok, MODE: gl.constexpr, block_len, block_stride, window):
 
 
 @gluon.jit
+def document_key_range(t, row_ok, DOC_START, CMP_START, MODE: gl.constexpr, block_len, block_stride, window):
+    """Packed documents (nsa.ops.packing's per-token tables): key_range at each row's position in its document,
+    moved onto the document's keys (its compressed rows for MODE_CMP, its tokens for MODE_WIN). Both bounds are
+    non-decreasing in t, so a tile's rows bound its keys as they do without documents."""
+    doc_start = gl.load(DOC_START + t, mask=row_ok, other=0)
+    lo, hi = key_range(t - doc_start, row_ok, MODE, block_len, block_stride, window)
+    if MODE == 0:
+        base = gl.load(CMP_START + t, mask=row_ok, other=0)
+    else:
+        base = doc_start
+    return lo + base, gl.where(row_ok, hi + base, -1)
+
+
+@gluon.jit
+def document_key_queries(key, NK, T, DOC_END, CMP_READY, CMP_DOC_END, MODE: gl.constexpr, window):
+    """Packed documents: the first and last query token that sees each key (none: T and -1). A compressed row is
+    seen from its block's last token to its document's end, a window key for at most `window` queries of its
+    document (MODE_CMP and MODE_WIN)."""
+    ok = key < NK
+    if MODE == 0:
+        q_first = gl.load(CMP_READY + key, mask=ok, other=T)
+        q_last = gl.load(CMP_DOC_END + key, mask=ok, other=0) - 1
+    else:
+        q_first = gl.where(ok, key, T)
+        q_last = gl.minimum(gl.load(DOC_END + key, mask=ok, other=0), key + window) - 1
+    return q_first, q_last
+
+
+@gluon.jit
 def load_kv(k_desc, v_desc, bars, k_smem, v_smem, i, row0, col_k, col_v, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr):
     """Key step i's keys and values by TMA into ring stage i % STAGES, arriving on that stage's barrier."""
@@ -153,6 +183,15 @@ def item_block(ITEM_KEY, ITEM_START, item, NS, G):
     bg = key_id // NS
     b32 = bg // G
     return gl.load(ITEM_START + item), key_id % NS, bg, b32, b32.to(gl.int64), bg % G
+
+
+@gluon.jit
+def block_first(BLOCK_START, j, BLOCK_N: gl.constexpr, PACKED: gl.constexpr):
+    """The first token of key block j: j * BLOCK_N, or packed, the stream's block table's entry (nsa.ops.packing)."""
+    first = j * BLOCK_N
+    if PACKED:
+        first = gl.load(BLOCK_START + j)
+    return first
 
 
 @gluon.jit

@@ -25,7 +25,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..geometry import NSAGeometry
 from ..triton.common import LOG2E
 from ..tuning import TUNING
-from .common import descriptor, key_range, layout_ok, load_kv
+from ..packing import PackedLayout
+from .common import descriptor, document_key_range, key_range, layout_ok, load_kv
 
 
 @gluon.jit
@@ -53,11 +54,12 @@ def _tile_scores(s, start, lo, hi, bits, cols, scale_log2, m_i, l_i, sel_block, 
 
 @gluon.jit
 def _span_forward_kernel(
-    Q, k_desc, v_desc, O, LSE, BITS, O_CMP, O_WIN, GATES, OUT,
+    Q, k_desc, v_desc, O, LSE, BITS, O_CMP, O_WIN, GATES, OUT, DOC_START, CMP_START,
     sqb, sqt, sqh, sob, sot, soh, slb, slt, sbb, sbt, sbg, sgb, sgt, sgh,
     T, NK, G, scale_log2, block_len, block_stride, window, sel_block,
     h: gl.constexpr, MODE: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr,
+    PACKED: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     pid_bg = gl.program_id(1)
@@ -81,11 +83,15 @@ def _span_forward_kernel(
     rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
     row_ok = rows < T * h
     t = rows // h
-    lo, hi = key_range(t, row_ok, MODE, block_len, block_stride, window)
+    if PACKED:  # one stream of documents (B = 1; MODE_CMP or MODE_WIN): each row's range inside its document
+        lo, hi = document_key_range(t, row_ok, DOC_START, CMP_START, MODE, block_len, block_stride, window)
+    else:
+        lo, hi = key_range(t, row_ok, MODE, block_len, block_stride, window)
     # The program's keys: from the first token's first key to the last token's last one.
     k_start = (gl.min(gl.where(row_ok, lo, NK), 0) // BLOCK_N) * BLOCK_N
     k_end = gl.max(hi, 0) + 1
-    # Key steps inside [a, e) are seen whole by every row: no range mask there.
+    # Key steps inside [a, e) are seen whole by every row: no range mask there (none when the rows' documents
+    # differ: the later one's first key follows the earlier one's last).
     a = gl.max(gl.where(row_ok, lo, 0), 0)
     e = gl.min(gl.where(row_ok, hi, NK), 0) + 1
     # At least one step, fully masked when the tile sees no key (rows that see none end with lse = -inf).
@@ -181,25 +187,31 @@ def config(d: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int) -> bool:
-    """Whether this kernel can take the call: common.layout_ok, and for the selected branch whole blocks per key
-    step."""
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: int, sel_block: int,
+             layout: PackedLayout | None = None) -> bool:
+    """Whether this kernel can take the call: common.layout_ok, for the selected branch whole blocks per key step,
+    and packed documents (`layout`) for the compressed and window branches (the tiled selected branch's steps do
+    not align with a document's blocks: Triton's kernel takes it)."""
+    if layout is not None and mode == 2:
+        return False
     return layout_ok(q, k, v) and (mode != 2 or sel_block % config(q.shape[-1])["BLOCK_N"] == 0)
 
 
 def launch(q, k, v, o, lse, mode: int, scale: float, geometry: NSAGeometry, bits, bit_strides: tuple, gated,
-           out) -> None:
+           out, layout: PackedLayout | None = None) -> None:
     """The span forward into o and lse (and out = the gated sum, with gated = (o_cmp, o_win, gates)); bits and
-    bit_strides as span_attention.selection_args gives them."""
+    bit_strides as span_attention.selection_args gives them; with `layout`, one packed stream of documents."""
     B, T, H, D = q.shape
     NK, G = k.shape[1], k.shape[2]
     cfg = config(D)
     o_cmp, o_win, gates = gated if gated is not None else (o, o, lse)
     gate_strides = gates.stride()[:3] if gated is not None else (0, 0, 0)
+    tables = (layout.doc_start, layout.cmp_start) if layout is not None else (None, None)
     grid = (-(-T * (H // G) // cfg["BLOCK_M"]), B * G)
     _span_forward_kernel[grid](
         q, descriptor(k, cfg["BLOCK_N"]), descriptor(v, cfg["BLOCK_N"]), o, lse, bits, o_cmp, o_win, gates, out,
-        q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        *bit_strides, *gate_strides, T, NK, G, scale * LOG2E, geometry.block_len, geometry.block_stride,
-        geometry.window, geometry.sel_block, h=H // G, MODE=mode, DK=D, DV=D, GATED=gated is not None, **cfg,
+        *tables, q.stride(0), q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0),
+        lse.stride(1), *bit_strides, *gate_strides, T, NK, G, scale * LOG2E, geometry.block_len,
+        geometry.block_stride, geometry.window, geometry.sel_block, h=H // G, MODE=mode, DK=D, DV=D,
+        GATED=gated is not None, PACKED=layout is not None, **cfg,
     )

@@ -22,20 +22,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..branches import SEL_PARTS, SEL_TILED, SelectedDQ
 from ..geometry import NSAGeometry
 from ..tuning import TUNING
-from .common import descriptor, key_range, layout_ok, load_kv
+from ..packing import PackedLayout
+from .common import descriptor, document_key_range, key_range, layout_ok, load_kv
 
 
 @gluon.jit
 def _branch_dq(q_smem, do_smem, k_desc, v_desc, k_smem, v_smem, bars, base, dq, LSE, DELTA, lse_off, t, row_ok,
-               BITS, bit_off, b32, g, NK, scale_log2, block_len, block_stride, window, sel_block,
-               MODE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+               BITS, bit_off, b32, g, NK, scale_log2, block_len, block_stride, window, sel_block, DOC_START,
+               CMP_START, MODE: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, PACKED: gl.constexpr):
     """dq (float32, unscaled) plus one branch's share for the program's rows; base counts the ring's steps so far
-    (returned advanced by this branch's)."""
+    (returned advanced by this branch's). PACKED: the rows' ranges inside their documents (MODE_CMP, MODE_WIN)."""
     dtype: gl.constexpr = k_desc.dtype
     lse2 = gl.load(LSE + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = gl.load(DELTA + lse_off, mask=row_ok, other=0.0)
-    lo, hi = key_range(t, row_ok, MODE, block_len, block_stride, window)
+    if PACKED:
+        lo, hi = document_key_range(t, row_ok, DOC_START, CMP_START, MODE, block_len, block_stride, window)
+    else:
+        lo, hi = key_range(t, row_ok, MODE, block_len, block_stride, window)
     k_start = (gl.min(gl.where(row_ok, lo, NK), 0) // BLOCK_N) * BLOCK_N
     k_end = gl.max(hi, 0) + 1
     a = gl.max(gl.where(row_ok, lo, 0), 0)  # steps inside [a, e) are seen whole by every row
@@ -83,11 +87,12 @@ def _branch_dq(q_smem, do_smem, k_desc, v_desc, k_smem, v_smem, bars, base, dq, 
 @gluon.jit
 def _query_grad_kernel(
     Q, DO, DQ, LSE_C, DELTA_C, LSE_S, DELTA_S, LSE_W, DELTA_W, kc_desc, vc_desc, ks_desc, vs_desc, kw_desc, vw_desc,
-    SEL_IDX, PARTS, DQ_SEL,
+    SEL_IDX, PARTS, DQ_SEL, DOC_START, CMP_START,
     sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdqb, sdqt, sdqh, sib, sit, sig, sdsb, sdst, sdsh,
     T, NC, G, n, scale_log2, scale, block_len, block_stride, window, sel_block,
     h: gl.constexpr, HAS_CMP: gl.constexpr, HAS_WIN: gl.constexpr, SEL: gl.constexpr, NP: gl.constexpr,
     D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    PACKED: gl.constexpr = False,
 ):
     pid_m = gl.program_id(0)
     pid_bg = gl.program_id(1)
@@ -134,15 +139,18 @@ def _query_grad_kernel(
     if HAS_CMP:
         dq, base = _branch_dq(q_smem, do_smem, kc_desc, vc_desc, k_smem, v_smem, bars, base, dq, LSE_C, DELTA_C,
                               lse_off, t, row_ok, SEL_IDX, bit_off, b32, g, NC, scale_log2, block_len, block_stride,
-                              window, sel_block, 0, D, BLOCK_M, BLOCK_N, STAGES, s_layout, op_layout)
+                              window, sel_block, DOC_START, CMP_START, 0, D, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                              op_layout, PACKED)
     if HAS_WIN:
         dq, base = _branch_dq(q_smem, do_smem, kw_desc, vw_desc, k_smem, v_smem, bars, base, dq, LSE_W, DELTA_W,
                               lse_off, t, row_ok, SEL_IDX, bit_off, b32, g, T, scale_log2, block_len, block_stride,
-                              window, sel_block, 1, D, BLOCK_M, BLOCK_N, STAGES, s_layout, op_layout)
+                              window, sel_block, DOC_START, CMP_START, 1, D, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                              op_layout, PACKED)
     if SEL == 1:
         dq, base = _branch_dq(q_smem, do_smem, ks_desc, vs_desc, k_smem, v_smem, bars, base, dq, LSE_S, DELTA_S,
                               lse_off, t, row_ok, SEL_IDX, bit_off, b32, g, T, scale_log2, block_len, block_stride,
-                              window, sel_block, 2, D, BLOCK_M, BLOCK_N, STAGES, s_layout, op_layout)
+                              window, sel_block, DOC_START, CMP_START, 2, D, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                              op_layout, False)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -167,10 +175,13 @@ def config(d: int) -> dict:
 
 
 def supports(q: torch.Tensor, do: torch.Tensor, cmp: tuple | None, win: tuple | None, sel: SelectedDQ,
-             sel_block: int) -> bool:
+             sel_block: int, layout: PackedLayout | None = None) -> bool:
     """Whether this kernel can take the call: every branch's keys and values as common.layout_ok takes them, do
     like q, at least one span branch, block-centric partials only at head dims up to 64 (their sum beside a
-    128-wide dQ spills on sm_90), and for the tiled selected branch whole blocks per key step."""
+    128-wide dQ spills on sm_90), and for the tiled selected branch whole blocks per key step; with packed
+    documents (`layout`) not the tiled selected branch (its steps do not align with a document's blocks)."""
+    if layout is not None and sel.kind == SEL_TILED:
+        return False
     if not (do.dtype == q.dtype and do.shape == q.shape and do.stride(-1) == 1) or (win is None and cmp is None):
         return False
     if sel.kind == SEL_PARTS and q.shape[-1] > 64:
@@ -182,8 +193,8 @@ def supports(q: torch.Tensor, do: torch.Tensor, cmp: tuple | None, win: tuple | 
 
 
 def launch(q, do, dq, lse_g, delta, scale: float, geometry: NSAGeometry, cmp: tuple | None, win: tuple | None,
-           sel: SelectedDQ) -> None:
-    """dQ into dq (arguments as nsa.ops.triton.query_grad.launch's)."""
+           sel: SelectedDQ, layout: PackedLayout | None = None) -> None:
+    """dQ into dq (arguments as nsa.ops.triton.query_grad.launch's; `layout`: one packed stream of documents)."""
     B, T, H, D = q.shape
     cfg = config(D)
     sel_kv = (sel.k, sel.v) if sel.kind == SEL_TILED else None
@@ -200,9 +211,10 @@ def launch(q, do, dq, lse_g, delta, scale: float, geometry: NSAGeometry, cmp: tu
         q, do, dq, lse_g[0], delta[0], lse_g[1], delta[1], lse_g[2], delta[2], *desc,
         sel.choice if sel.choice is not None else q, sel.parts if sel.parts is not None else q,
         sel.dq if sel.dq is not None else q,
+        *((layout.doc_start, layout.cmp_start) if layout is not None else (None, None)),
         *q.stride()[:3], *do.stride()[:3], *lse_g.stride()[1:3], *dq.stride()[:3], *strides3(sel.choice),
         *strides3(sel.dq), T, kc.shape[1] if cmp is not None else 0, G, n, scale * 1.4426950408889634, scale,
         geometry.block_len, geometry.block_stride, geometry.window, geometry.sel_block, h=h,
         HAS_CMP=cmp is not None, HAS_WIN=win is not None, SEL=sel.kind, NP=max(1, 1 << (n - 1).bit_length()), D=D,
-        **cfg,
+        PACKED=layout is not None, **cfg,
     )

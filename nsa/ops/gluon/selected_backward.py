@@ -16,7 +16,7 @@ with gathered rows:
   dK += dS^T Q after it; for dQ, dS^T goes through shared memory into dQ = dS K.
 
 Only the first steps of an item hold queries inside its own block (entries are sorted by query), so only those
-steps, and a last partial step, apply a mask.
+steps, and a last partial step, apply a mask. Packed documents: as selected_forward.py's.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..triton.common import LOG2E
 from . import backward
-from .common import (descriptor, item_block, load_block, masked_rows, ring_turn, row_io_layout, step_entries,
-                     store_grad, wgmma_layout)
+from ..packing import PackedLayout
+from ..triton.selected_attention import num_block_keys
+from .common import (block_first, descriptor, item_block, load_block, masked_rows, ring_turn,
+                     row_io_layout, step_entries, store_grad, wgmma_layout)
 
 
 @gluon.jit
@@ -69,12 +71,12 @@ def band_add_layout(num_warps, d):
 
 @gluon.jit
 def _selected_backward_kernel(
-    Q, DO, k_desc, v_desc, LSE, DELTA, DKo, DVo, DQPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
-    sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
+    Q, DO, k_desc, v_desc, LSE, DELTA, DKo, DVo, DQPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES, BLOCK_START,
+    BLOCK_END, sqb, sqt, sqh, sdob, sdot, sdoh, slb, slt, sdkb, sdkt, sdkg, sdvb, sdvt, sdvg,
     T, G, NS, scale_log2, scale,
     n: gl.constexpr, h: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, WRITE_DQ: gl.constexpr, num_warps: gl.constexpr, PARTIALS: gl.constexpr = False,
-    DQ_ADD: gl.constexpr = False, sdqb=0, sdqt=0, sdqh=0,
+    DQ_ADD: gl.constexpr = False, sdqb=0, sdqt=0, sdqh=0, PACKED: gl.constexpr = False,
 ):
     item = gl.program_id(0)
     count = gl.load(ITEM_COUNT + item)
@@ -90,7 +92,12 @@ def _selected_backward_kernel(
         vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         io_row: gl.constexpr = gl.SliceLayout(1, io)
 
-        k_first = j * BLOCK_N
+        k_first = block_first(BLOCK_START, j, BLOCK_N, PACKED)
+        # The keys the block holds end at k_end: packed, a document's last block may be short (its keys past k_end,
+        # the next document's, get p = 0 from the causal mask and are not written).
+        k_end = T
+        if PACKED:
+            k_end = gl.load(BLOCK_END + j)
         rows = count * h
         n_steps = gl.cdiv(rows, BLOCK_M)
         # The causal mask applies to the rows before `split` and on a last partial step.
@@ -189,8 +196,8 @@ def _selected_backward_kernel(
             store_grad(DVo + slot, dv_acc, 0, 0, 0, BLOCK_N, 0, D, 0, D, BLOCK_N, False, num_warps)
         else:
             # Blocks chosen by more queries than one item holds have several items: relaxed float32 atomics.
-            store_grad(DKo, dk_acc * scale, b, g, k_first, T, sdkb, sdkt, sdkg, D, BLOCK_N, True, num_warps)
-            store_grad(DVo, dv_acc, b, g, k_first, T, sdvb, sdvt, sdvg, D, BLOCK_N, True, num_warps)
+            store_grad(DKo, dk_acc * scale, b, g, k_first, k_end, sdkb, sdkt, sdkg, D, BLOCK_N, True, num_warps)
+            store_grad(DVo, dv_acc, b, g, k_first, k_end, sdvb, sdvt, sdvg, D, BLOCK_N, True, num_warps)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, sel_block: int,
@@ -204,11 +211,11 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
 
 
 def launch(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, inverse, scale: float, n: int, write_dq: bool,
-           partials: bool = False, dq_add: bool = False) -> None:
+           partials: bool = False, dq_add: bool = False, layout: PackedLayout | None = None) -> None:
     """block_backward's work on Hopper (tiles: backward.config): adds the blocks' dK/dV into dk_out/dv_out (float32,
     zeroed), or with `partials` writes each item's to its slot of dk_out/dv_out [items, BLOCK_N, D]; with write_dq,
     writes the rows' dQ shares into dqpart, or with dq_add adds them into dqpart as a float32 [B,T,H,D] dQ
-    (zeroed)."""
+    (zeroed). With `layout`, one packed stream of documents (`inverse` built with it)."""
     B, T, H, D = q.shape
     G = k.shape[2]
     item_key, item_start, item_count, entries = inverse
@@ -216,9 +223,10 @@ def launch(q, k, v, do, lse, delta, dk_out, dv_out, dqpart, inverse, scale: floa
     _selected_backward_kernel[(item_key.numel(),)](
         q, do, descriptor(k, cfg["BLOCK_N"]), descriptor(v, cfg["BLOCK_N"]), lse, delta, dk_out, dv_out, dqpart,
         item_key, item_start, item_count, entries,
+        *((layout.block_start, layout.block_end) if layout is not None else (None, None)),
         q.stride(0), q.stride(1), q.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
         dk_out.stride(0), dk_out.stride(1), dk_out.stride(2), dv_out.stride(0), dv_out.stride(1), dv_out.stride(2),
-        T, G, -(-T // cfg["BLOCK_N"]), scale * LOG2E, scale, n=n, h=H // G, D=D,
-        WRITE_DQ=write_dq, PARTIALS=partials, DQ_ADD=dq_add, **dict(zip(("sdqb", "sdqt", "sdqh"), dqpart.stride()[:3])),
-        **cfg,
+        T, G, num_block_keys(T, cfg["BLOCK_N"], layout), scale * LOG2E, scale, n=n, h=H // G, D=D,
+        WRITE_DQ=write_dq, PARTIALS=partials, DQ_ADD=dq_add, PACKED=layout is not None,
+        **dict(zip(("sdqb", "sdqt", "sdqh"), dqpart.stride()[:3])), **cfg,
     )

@@ -12,6 +12,10 @@ one S = Q K^T and one O = P V per row step. The schedule is selected_backward.py
   one computes;
 - S and P V run as wgmma; only the first steps (queries inside the block: entries are sorted by query) and a
   last partial step apply the causal mask.
+
+Packed documents: block j is the stream's j-th selection block (nsa.ops.packing), starting at its document's
+token BLOCK_START[j]. A block cut short by its document's end is the document's last, so every query that chose it
+lies inside it and the causal mask alone keeps the next document's keys out.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..triton.common import LOG2E
 from ..tuning import TUNING
-from .common import (descriptor, item_block, layout_ok, load_block, masked_rows, ring_turn, row_io_layout,
-                     rows_copyable, step_entries, wgmma_layout)
+from ..packing import PackedLayout
+from ..triton.selected_attention import num_block_keys
+from .common import (block_first, descriptor, item_block, layout_ok, load_block, masked_rows, ring_turn,
+                     row_io_layout, rows_copyable, step_entries, wgmma_layout)
 
 
 @gluon.jit
@@ -47,10 +53,10 @@ def _load_rows(Q, ENTRIES, q_smem, ent_smem, stage, f, f_ok, start, r0, rows, b,
 
 @gluon.jit
 def _selected_forward_kernel(
-    Q, k_desc, v_desc, OPART, LSEPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES,
+    Q, k_desc, v_desc, OPART, LSEPART, ITEM_KEY, ITEM_START, ITEM_COUNT, ENTRIES, BLOCK_START,
     sqb, sqt, sqh, T, G, NS, scale_log2,
     n: gl.constexpr, h: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr, PACKED: gl.constexpr = False,
 ):
     item = gl.program_id(0)
     count = gl.load(ITEM_COUNT + item)
@@ -66,7 +72,7 @@ def _selected_forward_kernel(
         io_row: gl.constexpr = gl.SliceLayout(1, io)
         vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
-        k_first = j * BLOCK_N
+        k_first = block_first(BLOCK_START, j, BLOCK_N, PACKED)
         rows = count * h
         n_steps = gl.cdiv(rows, BLOCK_M)
         # The causal mask applies to the rows before `split` and on a last partial step.
@@ -140,15 +146,17 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel_block: int) 
     return (layout_ok(q, k, v) and rows_copyable(q) and sel_block == config(q.shape[-1])["BLOCK_N"])
 
 
-def launch(q, k, v, inverse, opart, lsepart, scale: float, n: int) -> None:
+def launch(q, k, v, inverse, opart, lsepart, scale: float, n: int, layout: PackedLayout | None = None) -> None:
     """block_partials's work on Hopper: every (query, slot, head)'s partial output and log-sum-exp (log2 units) over
-    its block, into opart [B*G*T*n, h, D] and lsepart [B*G*T*n, h]."""
+    its block, into opart [B*G*T*n, h, D] and lsepart [B*G*T*n, h]; with `layout`, one packed stream of documents
+    (`inverse` built with it)."""
     B, T, H, D = q.shape
     G = k.shape[2]
     item_key, item_start, item_count, entries = inverse
     cfg = config(D)
     _selected_forward_kernel[(item_key.numel(),)](
         q, descriptor(k, cfg["BLOCK_N"]), descriptor(v, cfg["BLOCK_N"]), opart, lsepart,
-        item_key, item_start, item_count, entries, q.stride(0), q.stride(1), q.stride(2),
-        T, G, -(-T // cfg["BLOCK_N"]), scale * LOG2E, n=n, h=H // G, D=D, **cfg,
+        item_key, item_start, item_count, entries, layout.block_start if layout is not None else None,
+        q.stride(0), q.stride(1), q.stride(2), T, G, num_block_keys(T, cfg["BLOCK_N"], layout), scale * LOG2E, n=n,
+        h=H // G, D=D, PACKED=layout is not None, **cfg,
     )
