@@ -23,7 +23,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from nsa.ops.triton import compression, decode, inverse_index, query_grad, selected_attention, selection, span_attention
+from nsa.ops.triton import (compression, decode, dense_decode, inverse_index, query_grad, selected_attention, selection,
+                            span_attention)
 from nsa.ops.triton.common import dot_precision
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
@@ -116,6 +117,10 @@ KERNELS = {
                          PR=I32), ("scale_log2",)),
     "decode_combine": (decode._combine_kernel, dict(DV=64, BLOCK_DV=64, HP=16, PS=16, PW=8, DVT=16, NPP=32),
                        dict(GATE=BF16, NCMP=I64, OCMP=F32, PM=F32, PL=F32, PACC=F32, PR=I32, O=BF16, READS=I64), ()),
+    "dense_decode_split": (dense_decode._split_kernel, dict(**DIMS, HP=16, SPLIT=512, BLOCK_N=64),
+                           dict(Q=BF16, K=BF16, V=BF16, POS=I64, PM=F32, PL=F32, PACC=F32), ("scale_log2",)),
+    "dense_decode_merge": (dense_decode._merge_kernel, dict(DV=64, BLOCK_DV=64, HP=16, PT=16, DVT=32),
+                           dict(PM=F32, PL=F32, PACC=F32, O=BF16), ()),
 }
 
 

@@ -141,14 +141,23 @@ def decode_attention(
 
 
 def dense_decode_attention(
-    q: torch.Tensor, cache: DenseLayerCache, positions: torch.Tensor | int
+    q: torch.Tensor, cache: DenseLayerCache, positions: torch.Tensor | int, *, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal GQA attention o [B,H,Dv] of q [B,H,Dk] over the cached tokens <= t; reads [B,G]."""
+    """Causal GQA attention o [B,H,Dv] of q [B,H,Dk] over the cached tokens <= t; reads [B,G].
+
+    backend: 'auto' (on CUDA the split-context Triton kernel, nsa.ops.triton.dense_decode; SDPA elsewhere),
+    'reference' (SDPA with the positions as a mask) or 'triton'.
+    """
     b, groups = q.shape[0], cache.k.shape[2]
     t = _as_positions(positions, b, q.device)
+    reads = (t + 1)[:, None].expand(b, groups)
+    if _use_triton(backend, q.device):
+        from ..ops.triton.dense_decode import dense_decode_triton
+
+        return dense_decode_triton(q, cache.k, cache.v, t, q.shape[-1] ** -0.5), reads
     valid = torch.arange(cache.k.shape[1], device=q.device) <= t[:, None]  # [B,L]
     o = F.scaled_dot_product_attention(
         q[:, :, None], cache.k.transpose(1, 2), cache.v.transpose(1, 2),
         attn_mask=valid[:, None, None], enable_gqa=True,
     )
-    return o[:, :, 0], valid.sum(-1, keepdim=True).expand(b, groups)
+    return o[:, :, 0], reads

@@ -159,6 +159,10 @@ class Tuning:
     batch 1 keeps one chunk a program."""
     decode_chunk_stages: int = 3
     """Chunks in flight in that loop."""
+    dense_decode_split: int = 512
+    """Cached tokens per program of the dense decode kernel (nsa.ops.triton.dense_decode; a multiple of 64). At
+    64k tokens, 128 splits per (sequence, key/value group): enough programs to fill the GPU at batch 1, and a
+    merge of few partials."""
 
 
 TUNING = Tuning()

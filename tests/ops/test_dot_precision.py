@@ -18,6 +18,7 @@ from nsa.ops import NSAGeometry, nsa_attention, tuning
 from nsa.ops.triton.common import dot_precision
 from nsa.ops.triton.compression import phi_mlp_triton
 from nsa.ops.triton.decode import decode_attention_triton
+from nsa.ops.triton.dense_decode import dense_decode_triton
 
 HP = dict(block_len=8, block_stride=4, sel_block=8, n_sel=3, window=6)
 
@@ -91,8 +92,8 @@ def product_kernels(monkeypatch):
 
 
 def run_every_kernel(dtype, monkeypatch):
-    """NSA attention forward and backward on each selected-branch path, phi's MLP forward and backward, and a decode
-    step, at tiny shapes, on inputs of `dtype`."""
+    """NSA attention forward and backward on each selected-branch path, phi's MLP forward and backward, and an NSA
+    and a dense decode step, at tiny shapes, on inputs of `dtype`."""
     for path in ("tiled", "blocks", "token"):
         with monkeypatch.context() as m:
             for field in ("tiled_max_blocks", "tiled_max_blocks_large_groups", "tiled_max_blocks_forward"):
@@ -113,6 +114,7 @@ def run_every_kernel(dtype, monkeypatch):
     selected = torch.empty(B, G, HP["n_sel"], dtype=torch.int64)
     decode_attention_triton(q, gates, k_cmp, v_cmp, (positions - 3).div(4, rounding_mode="floor"), k, v, k, v,
                             positions, geometry=NSAGeometry(**HP), scale=D**-0.5, selected=selected)
+    dense_decode_triton(q, k, v, positions, D**-0.5)
 
 
 # (inputs, TF32 allowed, the precision every kernel must get). float16: Triton's default, which a launch that read

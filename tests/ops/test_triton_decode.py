@@ -159,3 +159,35 @@ def test_the_graphed_decoder_steps_like_the_full_forward(monkeypatch):
     assert set(decoder.graphs) == ({True, False} if DEVICE == "cuda" else set())
     nc = cache.layers[0].n_cmp.tolist()
     assert nc == [(25 - 8) // 4 + 1, (34 - 8) // 4 + 1]  # every due block emitted once, none twice
+
+
+def dense_layer_cache(n_heads, n_kv_heads, positions, capacity, seed):
+    """Layer 0's cache of a dense model filled with random keys and values, and tokens past each position set to
+    a large finite value: a kernel that reads past t is off by far more than the tolerance."""
+    cfg = ModelConfig(attention="dense", vocab_size=53, dim=32, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      head_dim=8, mlp_hidden=48)
+    model = Transformer(cfg).eval().to(DEVICE)
+    cache = new_cache(model, len(positions), capacity)
+    layer = cache.layers[0]
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.tensor(positions, device=DEVICE)
+    past = (torch.arange(capacity, device=DEVICE)[None, :] > t[:, None])[:, :, None, None]
+    for buf in (layer.k, layer.v):
+        buf.copy_(torch.where(past, 1e4, torch.randn(buf.shape, generator=gen).to(DEVICE)))
+    return layer, t
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(2, 2), (6, 1), (16, 1)])
+def test_dense_split_decode_kernel_matches_sdpa_for_unequal_positions(n_heads, n_kv_heads, monkeypatch):
+    # nsa.ops.triton.dense_decode with splits of 64 tokens over a 200-token cache: positions before, on and after
+    # split edges, in the last (partial) split, one per sequence of a batch; group sizes 1, 6 and 16.
+    from nsa.inference import dense_decode_attention
+    from nsa.ops.tuning import TUNING
+
+    monkeypatch.setattr(TUNING, "dense_decode_split", 64)
+    layer, t = dense_layer_cache(n_heads, n_kv_heads, [0, 63, 64, 130, 199], capacity=200, seed=n_heads)
+    q = torch.randn(len(t), n_heads, 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    o, reads = dense_decode_attention(q, layer, t, backend="triton")
+    want, want_reads = dense_decode_attention(q, layer, t, backend="reference")
+    torch.testing.assert_close(o, want, **TOL)
+    assert torch.equal(reads, want_reads) and reads[:, 0].tolist() == [1, 64, 65, 131, 200]

@@ -253,6 +253,39 @@ def merge_top(best, key):
     return tl.bitonic_merge(tl.maximum(best, tl.sort(key)), descending=True)
 
 
+# ---------------------------------------------------------------- split softmax (decode)
+
+
+@triton.jit
+def merge_partials(PM, PL, PACC, first, count, h, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr,
+                   c0, DVT: tl.constexpr):
+    """Merge `count` partial softmaxes (rows first .. first+count-1 of [*, HP] stats and [*, HP, BLOCK_DV]
+    sums, of which the first h heads are stored), PT at a time: (max, sum, acc) over all of them, in log2
+    units; acc holds the DVT columns from c0 (padding heads: -inf, 0, 0)."""
+    rh = tl.arange(0, HP)
+    dv = c0 + tl.arange(0, DVT)
+    acc = tl.zeros([HP, DVT], tl.float32)
+    m_i = tl.full([HP], float("-inf"), tl.float32)
+    l_i = tl.zeros([HP], tl.float32)
+    for p0 in range(0, count, PT):
+        pp = p0 + tl.arange(0, PT)
+        ok = pp < count
+        row = (first + pp).to(tl.int64)[:, None] * HP + rh[None, :]  # [PT, HP]
+        ok = ok[:, None] & (rh < h)[None, :]
+        m = tl.load(PM + row, mask=ok, other=float("-inf"))
+        l_p = tl.load(PL + row, mask=ok, other=0.0)
+        a = tl.load(PACC + row[:, :, None] * BLOCK_DV + dv[None, None, :], mask=ok[:, :, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        f = tl.exp2(m - m_safe[None, :])  # 0 for empty partials
+        l_i = l_i * alpha + tl.sum(l_p * f, 0)
+        acc = acc * alpha[:, None] + tl.sum(a * f[:, :, None], 0)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+
 # ---------------------------------------------------------------- search
 
 

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ..geometry import NSAGeometry
 from ..tuning import TUNING
-from .common import LOG2E, dot_precision, load_tile, merge_top, num_sms, overlap, store_tile
+from .common import LOG2E, dot_precision, load_tile, merge_partials, merge_top, num_sms, overlap, store_tile
 from .selection import stencil_rank
 
 
@@ -117,37 +117,8 @@ def _chunk_partial(
 
 
 @triton.jit
-def _merge(PM, PL, PACC, first, count, h, HP: tl.constexpr, BLOCK_DV: tl.constexpr, PT: tl.constexpr,
-           c0, DVT: tl.constexpr):
-    """Merge `count` partial softmaxes (rows first .. first+count-1 of [*, HP] stats and [*, HP, BLOCK_DV]
-    sums, of which the first h heads are stored), PT at a time: (max, sum, acc) over all of them, in log2
-    units; acc holds the DVT columns from c0 (padding heads: -inf, 0, 0)."""
-    rh = tl.arange(0, HP)
-    dv = c0 + tl.arange(0, DVT)
-    acc = tl.zeros([HP, DVT], tl.float32)
-    m_i = tl.full([HP], float("-inf"), tl.float32)
-    l_i = tl.zeros([HP], tl.float32)
-    for p0 in range(0, count, PT):
-        pp = p0 + tl.arange(0, PT)
-        ok = pp < count
-        row = (first + pp).to(tl.int64)[:, None] * HP + rh[None, :]  # [PT, HP]
-        ok = ok[:, None] & (rh < h)[None, :]
-        m = tl.load(PM + row, mask=ok, other=float("-inf"))
-        l_p = tl.load(PL + row, mask=ok, other=0.0)
-        a = tl.load(PACC + row[:, :, None] * BLOCK_DV + dv[None, None, :], mask=ok[:, :, None], other=0.0)
-        m_new = tl.maximum(m_i, tl.max(m, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        f = tl.exp2(m - m_safe[None, :])  # 0 for empty partials
-        l_i = l_i * alpha + tl.sum(l_p * f, 0)
-        acc = acc * alpha[:, None] + tl.sum(a * f[:, :, None], 0)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _merge_stats(PM, PL, first, count, h, HP: tl.constexpr, PT: tl.constexpr):
-    """(max, sum) of `count` partial softmaxes: _merge's arithmetic in the same order, without the sums of
+    """(max, sum) of `count` partial softmaxes: merge_partials's arithmetic in the same order, without the sums of
     p @ v, so that every program that needs the lse gets the same bits."""
     rh = tl.arange(0, HP)
     m_i = tl.full([HP], float("-inf"), tl.float32)
@@ -180,7 +151,7 @@ def _compressed_output(PM, PL, PACC, OCMP, pid, NCH, h, HP: tl.constexpr, BLOCK_
     """Merge program pid's NCH partials (chunks, or groups of chunks) into the compressed branch's output
     (stored to OCMP); its lse."""
     rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
-    m_i, l_i, acc = _merge(PM, PL, PACC, pid * NCH, NCH, h, HP, BLOCK_DV, PT, 0, BLOCK_DV)
+    m_i, l_i, acc = merge_partials(PM, PL, PACC, pid * NCH, NCH, h, HP, BLOCK_DV, PT, 0, BLOCK_DV)
     tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
              acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
     return _lse2(m_i, l_i)
@@ -242,8 +213,8 @@ def _select_part_kernel(
     # The group's chunks merged into one partial of the compressed branch, so that B2 merges NCG partials
     # rather than NCH (in one program, that merge would be a long serial walk).
     rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
-    m_g, l_g, acc_g = _merge(PM, PL, PACC, first + cg * CT, tl.minimum(CT, NCH - cg * CT), h, HP, BLOCK_DV, PT, 0,
-                             BLOCK_DV)
+    m_g, l_g, acc_g = merge_partials(PM, PL, PACC, first + cg * CT, tl.minimum(CT, NCH - cg * CT), h, HP, BLOCK_DV,
+                                     PT, 0, BLOCK_DV)
     row = (pid * NCG + cg).to(tl.int64) * HP + rh
     tl.store(GM + row, m_g, mask=rh < h)
     tl.store(GL + row, l_g, mask=rh < h)
@@ -359,8 +330,8 @@ def _combine_kernel(
     rh, dv = tl.arange(0, HP), c0 + tl.arange(0, DVT)
     row_ok = rh < h
     head = (g * h + tl.where(row_ok, rh, 0)).to(tl.int64)
-    _, l_s, acc_s = _merge(PM, PL, PACC, pid * NP, n_sel, h, HP, BLOCK_DV, PS, c0, DVT)
-    _, l_w, acc_w = _merge(PM, PL, PACC, pid * NP + n_sel, NP - n_sel, h, HP, BLOCK_DV, PW, c0, DVT)
+    _, l_s, acc_s = merge_partials(PM, PL, PACC, pid * NP, n_sel, h, HP, BLOCK_DV, PS, c0, DVT)
+    _, l_w, acc_w = merge_partials(PM, PL, PACC, pid * NP + n_sel, NP - n_sel, h, HP, BLOCK_DV, PW, c0, DVT)
     o_sel = acc_s / tl.where(l_s > 0, l_s, 1.0)[:, None]
     o_win = acc_w / tl.where(l_w > 0, l_w, 1.0)[:, None]
     o_cmp = tl.load(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :])
