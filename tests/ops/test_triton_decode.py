@@ -191,3 +191,22 @@ def test_dense_split_decode_kernel_matches_sdpa_for_unequal_positions(n_heads, n
     want, want_reads = dense_decode_attention(q, layer, t, backend="reference")
     torch.testing.assert_close(o, want, **TOL)
     assert torch.equal(reads, want_reads) and reads[:, 0].tolist() == [1, 64, 65, 131, 200]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+def test_dense_split_decode_kernel_at_a_real_shape_in_bf16():
+    # M7C's heads (12 query, 2 key/value of 64) over a 64k cache in bf16, at a split edge, mid-cache and the last
+    # token, against SDPA in float32 on the same cache.
+    from nsa.ops.triton.dense_decode import dense_decode_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, L, G, H, D = 3, 65536, 2, 12, 64
+    k, v = (torch.randn(B, L, G, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(B, H, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    t = torch.tensor([511, 30000, L - 1], device="cuda")
+    o = dense_decode_triton(q, k, v, t, D**-0.5)
+    valid = torch.arange(L, device="cuda") <= t[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, :, None], k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=valid[:, None, None],
+        enable_gqa=True)[:, :, 0]
+    assert ((o.float() - want).norm() / want.norm()).item() < 1e-2
