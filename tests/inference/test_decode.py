@@ -324,6 +324,27 @@ def test_greedy_generation_equals_argmax_of_full_forwards(attention):
     assert generate(model, prompt, 40, temperature=1.0, top_p=1e-9, seed=0) == want
 
 
+def test_the_dense_models_split_decode_kernel_generates_the_full_forwards_argmax(monkeypatch):
+    # The dense decode step on nsa.ops.triton.dense_decode (the CUDA default; Triton's interpreter here) with
+    # 64-token splits: a ragged batch whose contexts end in the first, second and third split.
+    import functools
+
+    import nsa.inference.decode as decode_module
+    from nsa.inference import dense_decode_attention
+    from nsa.ops.tuning import TUNING
+
+    kernel_calls = []
+    triton_decode = functools.partial(dense_decode_attention, backend="triton")
+    monkeypatch.setattr(decode_module, "dense_decode_attention",
+                        lambda *a, **k: kernel_calls.append(1) or triton_decode(*a, **k))
+    monkeypatch.setattr(TUNING, "dense_decode_split", 64)
+    model = tiny_model("dense", seed=17)
+    prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (40, 70, 130)]
+    got = generate(model, prompts, 10, temperature=0)
+    assert len(kernel_calls) == 9 * model.cfg.n_layers  # every decoded token after the prefill's
+    assert got == [generate_uncached(model, [p], 10, context=1000, temperature=0)[0] for p in prompts]
+
+
 @pytest.mark.parametrize("prompt_len,new_tokens", [(1, 3), (2, 5), (2, 6), (3, 10)])
 def test_contexts_shorter_than_one_compressed_block_generate_the_full_forwards_argmax(prompt_len, new_tokens):
     # The cache holds prompt_len + new_tokens - 1 <= block_len tokens: at most one compressed slot, or none at all.
