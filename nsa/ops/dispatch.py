@@ -3,9 +3,9 @@
 Every choice between kernels is made here, from the tensors' metadata and `TUNING`:
 
 - span_forward, span_dkdv (compressed, window and tiled selected branches) and query_grad (dQ of every branch):
-  the Gluon kernel of nsa.ops.gluon where its switch is on and it supports the call (an sm_90 GPU, bf16, ...;
-  packed documents, a PackedLayout, only with TUNING.gluon_packed, and never the tiled selected branch), the
-  Triton kernel of nsa.ops.triton otherwise;
+  the Gluon kernel of nsa.ops.gluon where its switch is on, the call is large enough (TUNING.gluon_span_min_elements)
+  and the kernel supports it (an sm_90 GPU, bf16, ...; packed documents, a PackedLayout, only with
+  TUNING.gluon_packed, and never the tiled selected branch), the Triton kernel of nsa.ops.triton otherwise;
 - selected_path: the selected branch's path (tiled, per-query or block-centric), from T, h and l' alone, so that
   torch.compile's fake tensors decide it too;
 - selected_forward, selected_backward: that path's kernels, the block-centric ones in Gluon for calls large enough;
@@ -77,6 +77,12 @@ def _gluon_takes(layout: PackedLayout | None) -> bool:
     return layout is None or TUNING.gluon_packed
 
 
+def _gluon_span(q: Tensor, layout: PackedLayout | None) -> bool:
+    """Whether a span kernel (forward, dK/dV, dQ) may be Gluon's: _gluon_takes, and a call large enough that its
+    GPU time, not the launch's host time, sets its pace (TUNING.gluon_span_min_elements)."""
+    return _gluon_takes(layout) and q.numel() >= TUNING.gluon_span_min_elements
+
+
 def _gluon_selected_forward(q: Tensor, k: Tensor, v: Tensor, sel_block: int) -> bool:
     return (TUNING.gluon_selected_forward and q.numel() >= TUNING.gluon_selected_forward_min_elements
             and gluon_selected_forward.supports(q, k, v, sel_block))
@@ -100,8 +106,8 @@ def span_forward(q: Tensor, k: Tensor, v: Tensor, mode: int, scale: float, geome
     o = q.new_empty(B, T, H, v.shape[-1])
     lse = q.new_empty(B, T, H, dtype=torch.float32)
     out = torch.empty_like(o) if gated is not None else o
-    if TUNING.gluon_forward and _gluon_takes(layout) and gluon_forward.supports(q, k, v, mode, geometry.sel_block,
-                                                                                  layout):
+    if TUNING.gluon_forward and _gluon_span(q, layout) and gluon_forward.supports(q, k, v, mode, geometry.sel_block,
+                                                                                 layout):
         gluon_forward.launch(q, k, v, o, lse, mode, scale, geometry, *triton_span.selection_args(bits, q), gated, out,
                              layout)
     else:
@@ -121,7 +127,7 @@ def span_dkdv(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: T
     """
     B, T, H, Dk = q.shape
     NK, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    gluon = (TUNING.gluon_backward and _gluon_takes(layout)
+    gluon = (TUNING.gluon_backward and _gluon_span(q, layout)
              and gluon_backward.supports(q, k, v, do, mode, geometry.sel_block, layout))
     tiles = gluon_backward.config(Dk) if gluon else tile_sizes(q, Dk, Dv, "dkdv")
     rows = T * (H // G)
@@ -155,7 +161,7 @@ def query_grad(q: Tensor, do: Tensor, lse_g: Tensor, delta: Tensor, scale: float
     lse_g and delta [3,B,T,H] (cmp, sel, win) are gating.gate_grads's gated lse and dL/dg.
     """
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    if (TUNING.gluon_query_grad and _gluon_takes(layout)
+    if (TUNING.gluon_query_grad and _gluon_span(q, layout)
             and gluon_query_grad.supports(q, do, cmp, win, sel, geometry.sel_block, layout)):
         gluon_query_grad.launch(q, do, dq, lse_g, delta, scale, geometry, cmp, win, sel, layout)
     else:

@@ -65,6 +65,11 @@ class Tuning:
     which stays on Triton's). Experimental, so off: the Triton kernels, which the CPU tests check against the
     reference, serve packed calls; tests/ops/test_triton_gpu.py checks the Gluon ones against them on a Hopper
     GPU."""
+    gluon_span_min_elements: int = 1 << 23
+    """The Gluon span forward, dK/dV and dQ kernels serve from this many elements of q (B * T * H * Dk) on. Below,
+    an eager call is bound by host time, where a Gluon launch costs 150-300 us against Triton's 50-100: M7C at
+    batch 1 and up to 8k tokens takes the Triton kernels. Not decided by whether a CUDA graph is being captured:
+    the kernels a capture records must be the ones its warm-up compiled and loaded."""
     gluon_selected_forward_min_elements: int = 1 << 24
     """The Gluon block-centric forward serves from this many elements of q (B * T * H * Dk) on: below, a call is
     bound by host time, and a Gluon launch (it builds TMA descriptors) costs more of it than a Triton one."""

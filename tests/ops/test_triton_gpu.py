@@ -138,6 +138,7 @@ def test_gluon_forward_matches_the_triton_kernel(name, T, mode, monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is built for sm_90")
+    monkeypatch.setattr(TUNING, "gluon_span_min_elements", 0)  # short calls take it too
     q, k, v, bits, gates = branch_inputs(name, T, mode)
     o_cmp, o_win = torch.randn_like(q), torch.randn_like(q)
     gated = (o_cmp, o_win, gates) if mode == MODE_SEL else None
@@ -166,6 +167,7 @@ def test_gluon_dkdv_matches_the_triton_kernel(name, T, mode, monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon dK/dV kernel is built for sm_90")
+    monkeypatch.setattr(TUNING, "gluon_span_min_elements", 0)
     q, k, v, bits, _ = branch_inputs(name, T, mode)
     scale = q.shape[-1] ** -0.5
     o, lse = dispatch.span_forward(q, k, v, mode, scale, GEOMETRY, bits)
@@ -258,6 +260,7 @@ def test_gluon_query_grad_matches_the_triton_kernel(name, T, monkeypatch):
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon dQ kernel is built for sm_90")
+    monkeypatch.setattr(TUNING, "gluon_span_min_elements", 0)
     calls = []
     original = gluon_query_grad.launch
     monkeypatch.setattr(gluon_query_grad, "launch", lambda *a, **k: (calls.append(a[9].kind), original(*a, **k))[1])
@@ -680,8 +683,9 @@ def packed_gluon_inputs(seed):
 
 @pytest.fixture
 def gluon_packed(monkeypatch):
-    """Packed calls may take the Gluon kernels (TUNING.gluon_packed)."""
+    """Packed calls may take the Gluon kernels (TUNING.gluon_packed), at any size."""
     monkeypatch.setattr(TUNING, "gluon_packed", True)
+    monkeypatch.setattr(TUNING, "gluon_span_min_elements", 0)
 
 
 @pytest.mark.parametrize("mode", [0, 1], ids=["cmp", "win"])

@@ -477,7 +477,7 @@ def test_dispatch_runs_each_stage_on_its_gluon_kernel_where_that_applies(gluon_b
     for module in (forward, backward, query_grad, selected_forward, selected_backward):
         monkeypatch.setattr(module, "supports", lambda *args: True)
     for field in ("tiled_max_blocks", "tiled_max_blocks_forward", "gluon_selected_forward_min_elements",
-                  "gluon_selected_backward_min_elements"):
+                  "gluon_selected_backward_min_elements", "gluon_span_min_elements"):
         monkeypatch.setattr(tuning.TUNING, field, 0)
     monkeypatch.setattr(selected_attention, "finalize", lambda *args, **kwargs: None)  # a Triton kernel
     geometry = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
@@ -496,3 +496,48 @@ def test_dispatch_runs_each_stage_on_its_gluon_kernel_where_that_applies(gluon_b
     assert (o.shape, o_sel.shape, dk.shape, dq.dtype) == (q.shape, q.shape, k.shape, q.dtype)
     assert gluon_binds == ["_span_forward_kernel", "_span_dkdv_kernel", "_selected_forward_kernel",
                            "_selected_backward_kernel", "_query_grad_kernel"]
+
+
+def test_packed_calls_take_the_gluon_kernels_only_with_gluon_packed(gluon_binds, monkeypatch):
+    # With TUNING.gluon_packed (and every Gluon kernel's own conditions met, as on an sm_90 GPU in bf16), each
+    # stage of a packed call launches its Gluon kernel with the documents' tables (bound to the kernel's
+    # parameters by the stand-ins); the tiled selected branch stays on Triton. Without it, none is launched.
+    from nsa.ops import dispatch
+    from nsa.ops.branches import MODE_CMP, MODE_SEL, MODE_WIN, SEL_DENSE
+    from nsa.ops.geometry import compressed_offsets
+    from nsa.ops.gluon import backward, forward, query_grad, selected_forward
+    from nsa.ops.packing import packed_layout
+    from nsa.ops.triton import selected_attention
+
+    for module in (forward, backward, query_grad, selected_forward):  # the sm_90 check, on this CPU
+        monkeypatch.setattr(module, "layout_ok", lambda *args: True)
+    for field in ("tiled_max_blocks", "tiled_max_blocks_forward", "gluon_selected_forward_min_elements",
+                  "gluon_selected_backward_min_elements", "gluon_span_min_elements"):
+        monkeypatch.setattr(tuning.TUNING, field, 0)
+    monkeypatch.setattr(selected_attention, "finalize", lambda *args, **kwargs: None)  # a Triton kernel
+    geometry = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+    T, H, G, D = 300, 12, 2, 64
+    cu = torch.tensor([0, 100, 101, 300], dtype=torch.int32)
+    C = int(compressed_offsets(cu, geometry)[-1])
+    layout = packed_layout(cu, geometry, T, C)
+    q = torch.randn(1, T, H, D, dtype=torch.bfloat16)
+    k, v = torch.randn(1, T, G, D, dtype=torch.bfloat16), torch.randn(1, T, G, D, dtype=torch.bfloat16)
+    k_cmp = torch.randn(1, C, G, D, dtype=torch.bfloat16)
+    lse, idx = torch.zeros(1, T, H), torch.zeros(1, T, G, geometry.n_sel, dtype=torch.int64)
+    inverse = tuple(torch.zeros(10, dtype=torch.int32) for _ in range(4))
+    assert not forward.supports(q, k, v, MODE_SEL, 64, layout)  # the tiled selected branch: Triton's
+    monkeypatch.setattr(tuning.TUNING, "gluon_packed", True)
+    o, _ = dispatch.span_forward(q, k_cmp, k_cmp, MODE_CMP, 0.1, geometry, layout=layout)
+    dispatch.span_forward(q, k, v, MODE_WIN, 0.1, geometry, layout=layout)
+    dispatch.span_dkdv(q, k, v, o, lse, lse, MODE_WIN, 0.1, geometry, layout=layout)
+    dispatch.selected_forward(q, k, v, idx, inverse, o, o, o[..., :3], 0.1, geometry, layout)
+    *_, sel = dispatch.selected_backward(q, k, v, idx, inverse, o, lse, lse, 0.1, geometry, layout)
+    dispatch.query_grad(q, o, torch.zeros(3, 1, T, H), torch.zeros(3, 1, T, H), 0.1, geometry, (k_cmp, k_cmp),
+                        (k, v), sel, layout)
+    assert sel.kind == SEL_DENSE
+    assert gluon_binds == ["_span_forward_kernel"] * 2 + ["_span_dkdv_kernel", "_selected_forward_kernel",
+                                                          "_selected_backward_kernel", "_query_grad_kernel"]
+    gluon_binds.clear()
+    monkeypatch.setattr(tuning.TUNING, "gluon_packed", False)
+    dispatch.span_forward(q, k, v, MODE_WIN, 0.1, geometry, layout=layout)  # on Triton's kernel
+    assert gluon_binds == []
