@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--attention nsa,dense]
 #            [--stages SEQxBATCH[+LENGTH...]:STEPS,...] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N]
+#            [--eval-tasks passkey,kv]
 #            [-- key=value ...]
 #
 # One recipe of configs/recipes/ from start to end, every run in OUT_DIR (docs/evaluation.md, "The recipes"):
@@ -22,21 +23,23 @@
 #                        16384x4+4096+8192+32768+65536:600)
 #   --extend STEPS      retrieval steps after the curriculum (default 300; 0: none)
 #   --eval-lengths L,.. and --eval-samples N: the retrieval evaluation's grid (nsa eval's --lengths, --samples)
+#   --eval-tasks LIST   the retrieval tasks evaluated (nsa eval's --tasks; default passkey; kv needs runs trained
+#                       on it too, e.g. -- data.retrieval.task=mixed)
 #   -- key=value ...    overrides for every `nsa train` (e.g. train.device=cpu or a smaller model); the stages
 #                       set the retrieval runs' train.seq_len, train.batch_size, train.steps and mix_lengths
 # Training runs eagerly (parallel.compile=false, as the recipes' results were measured; the retrieval stages'
 # many lengths would each compile): override with -- parallel.compile=true.
 set -euo pipefail
-usage="usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--first-seed S] [--attention nsa,dense] [--stages SPEC] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N] [-- key=value ...]"
+usage="usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--first-seed S] [--attention nsa,dense] [--stages SPEC] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N] [--eval-tasks passkey,kv] [-- key=value ...]"
 fail() { echo "recipes.sh: $*" >&2; exit 2; }
 if [[ $# -lt 2 || ! $1 =~ ^(learn|retrieval)$ || $2 == -* ]]; then echo "$usage" >&2; exit 2; fi
 recipe=$1 out_arg=$2
 shift 2
-seeds=1 first_seed=1337 attention=nsa,dense extend=300 eval_args=() overrides=()
+seeds=1 first_seed=1337 attention=nsa,dense extend=300 eval_args=() eval_tasks=passkey overrides=()
 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4+32768+65536:1000,16384x4+4096+8192+32768+65536:600
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --seeds|--first-seed|--attention|--stages|--extend|--eval-lengths|--eval-samples)
+    --seeds|--first-seed|--attention|--stages|--extend|--eval-lengths|--eval-samples|--eval-tasks)
       [[ $# -ge 2 ]] || fail "$1 needs a value"
       case $1 in
         --seeds) [[ $2 =~ ^[1-9][0-9]*$ ]] || fail "--seeds takes a positive number (got '$2')"; seeds=$2 ;;
@@ -47,6 +50,8 @@ while [[ $# -gt 0 ]]; do
         --extend) [[ $2 =~ ^[0-9]+$ ]] || fail "--extend takes a number of steps (got '$2')"; extend=$2 ;;
         --eval-lengths) eval_args+=(--lengths "$2") ;;
         --eval-samples) eval_args+=(--samples "$2") ;;
+        --eval-tasks) [[ $2 =~ ^(passkey|kv)(,(passkey|kv))*$ ]] || fail "--eval-tasks takes passkey, kv or passkey,kv (got '$2')"
+                      eval_tasks=$2 ;;
       esac
       shift 2 ;;
     --) shift; overrides=("$@"); break ;;
@@ -124,7 +129,7 @@ for run in "${runs[@]}"; do
   if [[ $recipe == learn ]]; then
     python3 -m nsa eval "$run" --no-progress --tasks none
   else
-    python3 -m nsa eval "$run" --no-progress --tasks passkey "${eval_args[@]}"
+    python3 -m nsa eval "$run" --no-progress --tasks "$eval_tasks" "${eval_args[@]}"
   fi
 done
 python3 -m nsa compare "${runs[@]}" --out "$out/compare"

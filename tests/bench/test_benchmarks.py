@@ -179,6 +179,7 @@ def no_gpu(tmp_path) -> Path:
     ("recipes.sh", ["learn", "{out}", "--attention", "nsa,flex"], "--attention takes nsa, dense"),
     ("recipes.sh", ["retrieval", "{out}", "--stages", "256x4:10,512:10"], "--stages takes SEQxBATCH"),
     ("recipes.sh", ["retrieval", "{out}", "--extend"], "--extend needs a value"),
+    ("recipes.sh", ["retrieval", "{out}", "--eval-tasks", "needle"], "--eval-tasks takes passkey, kv or passkey,kv"),
     ("recipes.sh", ["learn", "{out}", "--fast"], "unknown option '--fast'"),
     ("recipes.sh", ["learn", "{out}", "--", "train.steps"], "key=value overrides (got 'train.steps')"),
 ])
@@ -233,10 +234,11 @@ def test_the_learn_recipe_trains_evaluates_and_compares_both_models(tmp_path):
 
 @pytest.mark.slow
 def test_the_retrieval_recipe_runs_its_curriculum_as_one_run(tmp_path):
-    """Two stages of 2 steps (128 x 4, then 256 x 2 mixed with 512) and 2 more steps: one 6-step schedule."""
+    """Two stages of 2 steps (128 x 4, then 256 x 2 mixed with 512) and 2 more steps: one 6-step schedule; trained
+    on both tasks and evaluated on both."""
     out = _bash("recipes.sh", "retrieval", str(tmp_path / "runs"), "--attention", "nsa", "--stages",
                 "128x4:2,256x2+512:2", "--extend", "2", "--eval-lengths", "256,512", "--eval-samples", "1",
-                "--", *TINY, timeout=600)
+                "--eval-tasks", "passkey,kv", "--", *TINY, "data.retrieval.task=mixed", timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = tmp_path / "runs" / "retrieval-nsa-1337"
     steps = [int(r.split(",")[0]) for r in (run / "metrics.csv").read_text().splitlines()[1:]]
@@ -245,7 +247,8 @@ def test_the_retrieval_recipe_runs_its_curriculum_as_one_run(tmp_path):
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert (config["train"]["steps"], config["train"]["seq_len"], config["train"]["batch_size"]) == (6, 256, 2)
     assert config["data"]["retrieval"]["mix_lengths"] == [512]
-    assert "passkey" in (run / "eval" / "eval.csv").read_text()
+    evaluated = (run / "eval" / "eval.csv").read_text()
+    assert "passkey" in evaluated and "\nkv," in evaluated
     assert "retrieval-nsa-1337" in (tmp_path / "runs" / "compare" / "compare.md").read_text()
 
 
