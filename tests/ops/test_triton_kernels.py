@@ -541,3 +541,22 @@ def test_packed_calls_take_the_gluon_kernels_only_with_gluon_packed(gluon_binds,
     monkeypatch.setattr(tuning.TUNING, "gluon_packed", False)
     dispatch.span_forward(q, k, v, MODE_WIN, 0.1, geometry, layout=layout)  # on Triton's kernel
     assert gluon_binds == []
+
+
+def test_small_span_calls_stay_on_triton_below_the_gluon_threshold(gluon_binds, monkeypatch):
+    # TUNING.gluon_span_min_elements: a call below it (host-bound when eager) runs Triton's span kernel even where
+    # the Gluon one applies; from it on, Gluon's.
+    from nsa.ops import dispatch
+    from nsa.ops.branches import MODE_WIN
+    from nsa.ops.gluon import forward
+
+    monkeypatch.setattr(forward, "supports", lambda *args: True)
+    geometry = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+    q = torch.randn(1, 100, 4, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 100, 2, 16, dtype=torch.bfloat16) for _ in range(2))
+    monkeypatch.setattr(tuning.TUNING, "gluon_span_min_elements", q.numel() + 1)
+    dispatch.span_forward(q, k, v, MODE_WIN, 0.25, geometry)
+    assert gluon_binds == []
+    monkeypatch.setattr(tuning.TUNING, "gluon_span_min_elements", q.numel())
+    dispatch.span_forward(q, k, v, MODE_WIN, 0.25, geometry)
+    assert gluon_binds == ["_span_forward_kernel"]
