@@ -23,8 +23,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..geometry import NSAGeometry
-from ..tuning import TUNING
 from ..packing import PackedLayout
+from ..tuning import TUNING
 from .common import (descriptor, document_key_queries, layout_ok, row_io_layout, rows_copyable, store_grad,
                      wgmma_layout)
 

@@ -23,9 +23,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..geometry import NSAGeometry
+from ..packing import PackedLayout
 from ..triton.common import LOG2E
 from ..tuning import TUNING
-from ..packing import PackedLayout
 from .common import descriptor, document_key_range, key_range, layout_ok, load_kv
 
 

@@ -21,8 +21,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..branches import SEL_PARTS, SEL_TILED, SelectedDQ
 from ..geometry import NSAGeometry
-from ..tuning import TUNING
 from ..packing import PackedLayout
+from ..tuning import TUNING
 from .common import descriptor, document_key_range, key_range, layout_ok, load_kv
 
 

@@ -28,10 +28,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..triton.common import LOG2E
-from . import backward
 from ..packing import PackedLayout
+from ..triton.common import LOG2E
 from ..triton.selected_attention import num_block_keys
+from . import backward
 from .common import (block_first, descriptor, item_block, load_block, masked_rows, ring_turn,
                      row_io_layout, step_entries, store_grad, wgmma_layout)
 

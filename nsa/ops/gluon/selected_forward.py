@@ -27,10 +27,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ..triton.common import LOG2E
-from ..tuning import TUNING
 from ..packing import PackedLayout
+from ..triton.common import LOG2E
 from ..triton.selected_attention import num_block_keys
+from ..tuning import TUNING
 from .common import (block_first, descriptor, item_block, layout_ok, load_block, masked_rows, ring_turn,
                      row_io_layout, rows_copyable, step_entries, wgmma_layout)
 
