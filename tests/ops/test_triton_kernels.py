@@ -466,21 +466,28 @@ def test_every_gluon_launch_passes_each_argument_its_kernel_takes(gluon_binds):
         "_selected_backward_kernel"] * 3
 
 
+def gluon_sized_calls(monkeypatch) -> NSAGeometry:
+    """Every size takes the Gluon kernels and the block-centric selected path (thresholds at 0); the selected
+    branch's merge (a Triton kernel) does nothing. Returns M7C's geometry."""
+    from nsa.ops.triton import selected_attention
+
+    for field in ("tiled_max_blocks", "tiled_max_blocks_forward", "gluon_selected_forward_min_elements",
+                  "gluon_selected_backward_min_elements", "gluon_span_min_elements"):
+        monkeypatch.setattr(tuning.TUNING, field, 0)
+    monkeypatch.setattr(selected_attention, "finalize", lambda *args, **kwargs: None)
+    return NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+
+
 def test_dispatch_runs_each_stage_on_its_gluon_kernel_where_that_applies(gluon_binds, monkeypatch):
     # Where every Gluon kernel takes the call (as on an sm_90 GPU in bf16), each stage of the op launches it with
     # the buffers dispatch made (bound to the kernel's parameters by the stand-ins).
     from nsa.ops import dispatch
     from nsa.ops.branches import MODE_CMP, MODE_WIN, SEL_DENSE
     from nsa.ops.gluon import backward, forward, query_grad, selected_backward, selected_forward
-    from nsa.ops.triton import selected_attention
 
     for module in (forward, backward, query_grad, selected_forward, selected_backward):
         monkeypatch.setattr(module, "supports", lambda *args: True)
-    for field in ("tiled_max_blocks", "tiled_max_blocks_forward", "gluon_selected_forward_min_elements",
-                  "gluon_selected_backward_min_elements", "gluon_span_min_elements"):
-        monkeypatch.setattr(tuning.TUNING, field, 0)
-    monkeypatch.setattr(selected_attention, "finalize", lambda *args, **kwargs: None)  # a Triton kernel
-    geometry = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+    geometry = gluon_sized_calls(monkeypatch)
     B, T, H, G, D = 1, 300, 12, 2, 64
     q = torch.randn(B, T, H, D, dtype=torch.bfloat16)
     k, v = torch.randn(B, T, G, D, dtype=torch.bfloat16), torch.randn(B, T, G, D, dtype=torch.bfloat16)
@@ -507,15 +514,10 @@ def test_packed_calls_take_the_gluon_kernels_only_with_gluon_packed(gluon_binds,
     from nsa.ops.geometry import compressed_offsets
     from nsa.ops.gluon import backward, forward, query_grad, selected_forward
     from nsa.ops.packing import packed_layout
-    from nsa.ops.triton import selected_attention
 
     for module in (forward, backward, query_grad, selected_forward):  # the sm_90 check, on this CPU
         monkeypatch.setattr(module, "layout_ok", lambda *args: True)
-    for field in ("tiled_max_blocks", "tiled_max_blocks_forward", "gluon_selected_forward_min_elements",
-                  "gluon_selected_backward_min_elements", "gluon_span_min_elements"):
-        monkeypatch.setattr(tuning.TUNING, field, 0)
-    monkeypatch.setattr(selected_attention, "finalize", lambda *args, **kwargs: None)  # a Triton kernel
-    geometry = NSAGeometry(block_len=32, block_stride=16, sel_block=64, n_sel=16, window=512)
+    geometry = gluon_sized_calls(monkeypatch)
     T, H, G, D = 300, 12, 2, 64
     cu = torch.tensor([0, 100, 101, 300], dtype=torch.int32)
     C = int(compressed_offsets(cu, geometry)[-1])
