@@ -162,19 +162,19 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
 
 
-def _gluon_packed(ns: argparse.Namespace) -> None:
-    """--gluon-packed: packed documents on the experimental Gluon kernels (TUNING.gluon_packed, this process)."""
-    if ns.gluon_packed:
+def _triton_packed(ns: argparse.Namespace) -> None:
+    """--triton-packed: packed documents on the Triton kernels only (TUNING.gluon_packed off, this process)."""
+    if ns.triton_packed:
         from .ops.tuning import TUNING
 
-        TUNING.gluon_packed = True
-        print("packed documents run on the Gluon kernels (TUNING.gluon_packed, experimental)")
+        TUNING.gluon_packed = False
+        print("packed documents run on the Triton kernels (TUNING.gluon_packed off)")
 
 
 def _cmd_bench_attention(ns: argparse.Namespace) -> int:
     from .bench import attention
 
-    _gluon_packed(ns)
+    _triton_packed(ns)
 
     lengths = ns.lengths if ns.lengths is not None else [] if ns.docs is not None else attention.LENGTHS
     attention.run(
@@ -197,7 +197,7 @@ def _cmd_bench_decode(ns: argparse.Namespace) -> int:
 def _cmd_bench_train(ns: argparse.Namespace) -> int:
     from .bench import training
 
-    _gluon_packed(ns)
+    _triton_packed(ns)
 
     path, overrides = _bench_config(ns.args)
     training.run(path, overrides, seq_lens=ns.seq_lens, attentions=ns.attention.split(","),
@@ -371,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphs", action="store_true",
                    help="time CUDA-graph replays of every call (NSA, dense, fla): the GPU's time without the host's "
                         "launch time, as in a captured or compiled step; short sequences at batch 1 are host-bound")
-    p.add_argument("--gluon-packed", action="store_true",
-                   help="run packed documents on the experimental Gluon kernels (TUNING.gluon_packed; Hopper GPUs; "
+    p.add_argument("--triton-packed", action="store_true",
+                   help="run packed documents on the Triton kernels only, not Gluon's (TUNING.gluon_packed off; "
                         "docs/kernels.md#packed-documents); recorded under `tuning` in the results' environment")
     p.add_argument("--docs", default=None, metavar="MIXTURE,...",
                    help="packed documents: time NSA with cu_seqlens against NSA unpacked, FlexAttention's document "
@@ -400,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench", help="folder for the CSV/JSON results")
     p.add_argument("--profile", action="store_true",
                    help="also write one step's GPU kernels by time to OUT/profile_<attention>_<T>.txt")
-    p.add_argument("--gluon-packed", action="store_true",
-                   help="run packed documents on the experimental Gluon kernels (TUNING.gluon_packed; Hopper GPUs; "
+    p.add_argument("--triton-packed", action="store_true",
+                   help="run packed documents on the Triton kernels only, not Gluon's (TUNING.gluon_packed off; "
                         "docs/kernels.md#packed-documents); recorded under `tuning` in the results' environment")
     p.set_defaults(func=_cmd_bench_train)
 

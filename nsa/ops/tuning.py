@@ -60,11 +60,10 @@ class Tuning:
     gluon_selected_backward: bool = True
     """The same for the block-centric selected branch's dK/dV and dQ shares (nsa.ops.gluon.selected_backward; its
     tiles: gluon_dkdv_*)."""
-    gluon_packed: bool = False
+    gluon_packed: bool = True
     """Also run packed documents (a PackedLayout) on the Gluon kernels above (all but the tiled selected branch,
-    which stays on Triton's). Experimental, so off: the Triton kernels, which the CPU tests check against the
-    reference, serve packed calls; tests/ops/test_triton_gpu.py checks the Gluon ones against them on a Hopper
-    GPU."""
+    which stays on Triton's). Off, the Triton kernels serve packed calls; tests/ops/test_triton_gpu.py checks the
+    Gluon ones against them and against the reference on a Hopper GPU."""
     gluon_span_min_elements: int = 1 << 23
     """The Gluon span forward, dK/dV and dQ kernels serve from this many elements of q (B * T * H * Dk) on. Below,
     an eager call is bound by host time, where a Gluon launch costs 150-300 us against Triton's 50-100: M7C at

@@ -23,15 +23,15 @@ def test_a_bench_row_trains_on_the_documents_of_its_overrides(tmp_path, monkeypa
         trainer.data.train.close()
 
 
-def test_gluon_packed_is_set_by_its_flag_and_recorded_in_the_results_environment(monkeypatch, capsys):
+def test_triton_packed_is_set_by_its_flag_and_recorded_in_the_results_environment(monkeypatch, capsys):
     from nsa.bench.common import environment
     from nsa.cli import main
     from nsa.ops.tuning import TUNING
 
-    monkeypatch.setattr(TUNING, "gluon_packed", False)
+    monkeypatch.setattr(TUNING, "gluon_packed", True)
     assert "gluon_packed" not in environment()["tuning"]
     # Without a GPU the benchmark stops with its one-line error, after the flag took effect.
-    assert main(["bench", "attention", "--docs", "64k:2k"]) != 0 and TUNING.gluon_packed is False
-    assert main(["bench", "attention", "--docs", "64k:2k", "--gluon-packed"]) != 0
-    assert TUNING.gluon_packed is True and environment()["tuning"] == {"gluon_packed": True}
+    assert main(["bench", "attention", "--docs", "64k:2k"]) != 0 and TUNING.gluon_packed is True
+    assert main(["bench", "attention", "--docs", "64k:2k", "--triton-packed"]) != 0
+    assert TUNING.gluon_packed is False and environment()["tuning"] == {"gluon_packed": False}
     assert "needs a CUDA GPU" in capsys.readouterr().err
