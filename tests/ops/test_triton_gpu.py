@@ -63,6 +63,23 @@ def test_bf16_kernels_match_the_float32_reference(name, T):
     assert_bf16_output_and_gradients(out, ins, ref, f32)
 
 
+@pytest.mark.parametrize("name,B,T", [("m7c", 1, 8192), ("paper", 1, 8192), ("m7c", 1, 8191), ("paper", 2, 131072)])
+def test_split_selection_equals_the_streaming_kernel(name, B, T, monkeypatch):
+    # TUNING.selection_split: the score and top-n kernels compute the streaming kernel's scores with the same
+    # operations and rank them with the same keys, so the indices are equal bit for bit. B = 2 at 128k tokens of
+    # the paper's shape: the score buffer's offsets of the second sequence exceed 2^31.
+    from nsa.ops.branches import MODE_CMP
+    from nsa.ops.triton.selection import select_blocks_fwd
+
+    q, k_cmp = bf16_inputs(B, T, name, seed=T, requires_grad=False)[:2]
+    scale = q.shape[-1] ** -0.5
+    _, lse = dispatch.span_forward(q, k_cmp, k_cmp, MODE_CMP, scale, GEOMETRY)
+    streaming = select_blocks_fwd(q, k_cmp, lse, scale, GEOMETRY)
+    monkeypatch.setattr(TUNING, "selection_split", True)
+    split = dispatch.select_blocks(q, k_cmp, lse, scale, GEOMETRY)
+    assert (split >= 0).sum() > 0 and torch.equal(split, streaming)
+
+
 @pytest.mark.parametrize(
     "name,T",
     # M7C at 4096 tokens (64 blocks): the selected forward tiled, its backward block-centric; groups of 16 (the
@@ -590,6 +607,19 @@ def test_one_packed_document_is_the_unpacked_call(packed_gathered_path):
     torch.testing.assert_close(packed[0], o_sel, rtol=0, atol=0)
     for out_name, x, w in zip(("dq", "dk", "dv"), packed[1:], (sel.dense(), dk, dv)):
         torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{out_name}: {m}")
+
+
+def test_packed_split_selection_equals_the_streaming_kernel(monkeypatch):
+    # M7C with documents of 1 to 4k tokens totalling 16k, the score and top-n kernels against the streaming one.
+    from nsa.ops.packing import packed_layout
+    from nsa.ops.triton.selection import select_blocks_fwd
+
+    q, k_cmp, _, _, cu, lse = packed_stream(drawn_lengths(16384, 4096, seed=3), "m7c", seed=4)
+    scale = q.shape[-1] ** -0.5
+    layout = packed_layout(cu, GEOMETRY, q.shape[1], k_cmp.shape[1])
+    streaming = select_blocks_fwd(q, k_cmp, lse, scale, GEOMETRY, layout)
+    monkeypatch.setattr(TUNING, "selection_split", True)
+    assert torch.equal(dispatch.select_blocks(q, k_cmp, lse, scale, GEOMETRY, layout), streaming)
 
 
 # ---------------------------------------------------------------- packed documents
