@@ -202,17 +202,17 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
     """GPU milliseconds of every stage of the NSA forward and backward at one length (calls queued back to back,
     so the host's launch time is hidden as it is inside a training step)."""
     from ..ops.branches import BLOCKS, MODE_CMP, MODE_WIN
-    from ..ops.dispatch import query_grad, selected_backward, selected_forward, selected_path, span_dkdv, span_forward
+    from ..ops.dispatch import (query_grad, select_blocks, selected_backward, selected_forward, selected_path,
+                                span_dkdv, span_forward)
     from ..ops.triton.gating import gate_grads
     from ..ops.triton.inverse_index import build_inverse_index
-    from ..ops.triton.selection import select_blocks_fwd
 
     H, G, Dk, Dv = SHAPES[shape]
     q, kc, vc, ks, vs, kw, vw, gates = (t.detach() for t in make_inputs(T, H, G, Dk, Dv, batch=batch))
     scale = Dk**-0.5
     geo, lp = GEOMETRY, GEOMETRY.sel_block
     o_cmp, lse_cmp = span_forward(q, kc, vc, MODE_CMP, scale, geo)
-    idx = select_blocks_fwd(q, kc, lse_cmp, scale, geo)
+    idx = select_blocks(q, kc, lse_cmp, scale, geo)
     inv = build_inverse_index(idx, T, lp)
     o_win, lse_win = span_forward(q, kw, vw, MODE_WIN, scale, geo)
     _, o_sel, lse_sel = selected_forward(q, ks, vs, idx, inv, o_cmp, o_win, gates, scale, geo)
@@ -222,7 +222,7 @@ def components(shape: str, T: int, batch: int = 1) -> list[dict]:
     *_, sel_dq = selected_backward(q, ks, vs, idx, inv, do, lse_g[1], delta[1], scale, geo)
     stages = {
         "fwd: compressed attention": lambda: span_forward(q, kc, vc, MODE_CMP, scale, geo),
-        "fwd: scoring + top-n": lambda: select_blocks_fwd(q, kc, lse_cmp, scale, geo),
+        "fwd: scoring + top-n": lambda: select_blocks(q, kc, lse_cmp, scale, geo),
         "fwd: inverse index": lambda: build_inverse_index(idx, T, lp),
         "fwd: window attention": lambda: span_forward(q, kw, vw, MODE_WIN, scale, geo),
         "fwd: selected attention + gated sum": lambda: selected_forward(
@@ -283,6 +283,8 @@ SWEEP = {
     "tiled_max_blocks_large_groups": [0, 32],
     "select_block_t": [8, 32],
     "select_warps": [2, 8],
+    "selection_split": [True],
+    "selection_split+select_top_keys": [(True, 1024), (True, 4096)],
     "branch_streams": [False],
 }
 """Values tried for each launch parameter, or for several at once (names joined by '+', value tuples); the

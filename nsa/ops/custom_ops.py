@@ -23,7 +23,6 @@ from .packing import PackedLayout, packed_layout, selection_block_capacity
 from .triton.common import skip_deterministic_fill
 from .triton.gating import gate_grads
 from .triton.inverse_index import build_inverse_index, built_items
-from .triton.selection import select_blocks_fwd
 
 _F32 = torch.float32
 
@@ -42,7 +41,7 @@ def _compressed_and_choice(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, geometry: NS
                            layout: PackedLayout | None):
     """The compressed branch's output and lse, and the chosen blocks."""
     o_cmp, lse_cmp = dispatch.span_forward(q, k_cmp, v_cmp, MODE_CMP, scale, geometry, layout=layout)
-    return o_cmp, lse_cmp, select_blocks_fwd(q, k_cmp, lse_cmp, scale, geometry, layout)
+    return o_cmp, lse_cmp, dispatch.select_blocks(q, k_cmp, lse_cmp, scale, geometry, layout)
 
 
 @torch.library.custom_op("nsa::forward", mutates_args=())
@@ -183,4 +182,4 @@ def select_blocks_kernels(q: Tensor, k_cmp: Tensor, geometry: NSAGeometry, scale
     layout = _layout(cu_seqlens, geometry, q, k_cmp)
     # The compressed branch's log-sum-exp normalises p_cmp; its values output is not needed here.
     _, lse = dispatch.span_forward(q, k_cmp, k_cmp, MODE_CMP, float(scale), geometry, layout=layout)
-    return select_blocks_fwd(q, k_cmp, lse, float(scale), geometry, layout)
+    return dispatch.select_blocks(q, k_cmp, lse, float(scale), geometry, layout)

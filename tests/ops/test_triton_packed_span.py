@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import packed_branch_kernels, packed_branch_reference
-from nsa.ops import NSAGeometry, compressed_offsets, custom_ops, nsa_attention, reference, tuning
+from nsa.ops import NSAGeometry, compressed_offsets, dispatch, nsa_attention, reference, tuning
 from nsa.ops.branches import MODE_CMP, MODE_SEL, MODE_WIN
 from nsa.ops.dispatch import span_forward
 from nsa.ops.packing import packed_layout
@@ -100,7 +100,7 @@ def reference_selection(monkeypatch):
         cu = torch.unique_consecutive(torch.cat([layout.doc_start, layout.doc_end.new_tensor([q.shape[1]])]))
         return reference.select_blocks(q, k_cmp, geometry=geometry, scale=scale, cu_seqlens=cu.to(torch.int32))
 
-    monkeypatch.setattr(custom_ops, "select_blocks_fwd", select)
+    monkeypatch.setattr(dispatch, "select_blocks", select)
 
 
 @pytest.mark.parametrize("H,G", [(2, 2), (6, 1)])

@@ -14,6 +14,9 @@ A compressed token starting in chunk c can reach into chunk c + 1 (it spans l
 tokens); that part is carried over. Ranking uses one int64 key per block:
 (float bits of the score) << 32 | (2^32 - 1 - j), so larger scores win and equal
 scores go to the lower j; forced blocks get the bits of +inf, non-candidates -1.
+
+selection_split.py runs the same scoring as a kernel that stores the scores and a top-n kernel
+(TUNING.selection_split); the @triton.jit helpers without a leading underscore and scoring_launch serve both.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _chunk_p(q, kc, ci, ci_ok, rt, lse2, scale_log2, block_len, block_stride, BL
 
 
 @triton.jit
-def _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2, block_len,
+def group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2, block_len,
              block_stride, DK: tl.constexpr, BLOCK_T: tl.constexpr, HA: tl.constexpr, HB: tl.constexpr,
              C: tl.constexpr, TRANS: tl.constexpr, EXACT: tl.constexpr, MASKED: tl.constexpr,
              DOT_PRECISION: tl.constexpr):
@@ -86,7 +89,7 @@ def _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a,
 
 
 @triton.jit
-def _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, first: tl.constexpr, HP: tl.constexpr,
+def head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, first: tl.constexpr, HP: tl.constexpr,
                DK: tl.constexpr, BLOCK_T: tl.constexpr):
     """(q rows, their tokens, lse in log2 units) of heads first .. first + HP - 1 of the group (heads >= h padded:
     q 0, lse +inf) for the tile's BLOCK_T tokens, token-major."""
@@ -103,9 +106,42 @@ def _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, first: tl
 
 
 @triton.jit
-def _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K: tl.constexpr, R: tl.constexpr):
-    """Chunk c's block scores (Eq. 9, plus what the previous chunk spilled into its first block) merged into the
-    running top-K list `best`; returns (best, the spill into the next chunk)."""
+def group_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, HA: tl.constexpr, HB: tl.constexpr,
+               DK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """head_rows of the group's two head sets: (qa, rta, lse2a, qb, rtb, lse2b); the second is the first again
+    where HB = 0."""
+    # Rows: BLOCK_T tokens x HA heads (powers of two, so heads sum by a reshape), then x HB more heads where h is
+    # not a power of two: at M7C's h = 6, 4 + 2 rows per token instead of 8 with 2 padded.
+    qa, rta, lse2a = head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, 0, HA, DK, BLOCK_T)
+    qb, rtb, lse2b = qa, rta, lse2a
+    if HB > 0:
+        qb, rtb, lse2b = head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, HA, HB, DK, BLOCK_T)
+    return qa, rta, lse2a, qb, rtb, lse2b
+
+
+@triton.jit
+def tile_documents(DOC_START, tok, tile_first, T, BLOCK_T: tl.constexpr):
+    """(one past the tile's last token, how many documents its tokens tok belong to) of a packed stream."""
+    tile_end = tl.minimum(T, tile_first + BLOCK_T)
+    starts = tl.load(DOC_START + tok, mask=tok < tile_end, other=0)
+    return tile_end, 1 + tl.sum(((tok > tile_first) & (tok < tile_end) & (starts == tok)).to(tl.int32))
+
+
+@triton.jit
+def document_segment(DOC_START, DOC_END, CMP_START, first, tile_end, block_len, block_stride):
+    """For the tile's tokens from `first` on that share its document: (the document's first token, the segment's
+    last token, the document's compressed tokens, its first compressed row as int64)."""
+    doc = tl.load(DOC_START + first)
+    doc_end = tl.load(DOC_END + first)
+    length = doc_end - doc
+    nc = tl.where(length >= block_len, (length - block_len) // block_stride + 1, 0)
+    return doc, tl.minimum(doc_end, tile_end) - 1, nc, tl.load(CMP_START + first).to(tl.int64)
+
+
+@triton.jit
+def block_scores(p_tok, carry, jj, w_cur, w_nxt, shift, K: tl.constexpr, R: tl.constexpr):
+    """(chunk's block scores [rows, K]: Eq. 9 of its p_cmp p_tok plus what the previous chunk spilled into its first
+    block, the spill into the next chunk)."""
     # Exact fp32 products: the ranking must match the reference's, ties included.
     if R > 0:
         p_blk = tl.reshape(p_tok, [p_tok.shape[0], K, R])
@@ -115,6 +151,14 @@ def _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K: tl.const
     else:
         score = tl.dot(p_tok, w_cur, input_precision="ieee") + carry
         carry = tl.dot(p_tok, w_nxt, input_precision="ieee")
+    return score, carry
+
+
+@triton.jit
+def _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K: tl.constexpr, R: tl.constexpr):
+    """Chunk c's block scores merged into the running top-K list `best`; returns (best, the spill into the next
+    chunk)."""
+    score, carry = block_scores(p_tok, carry, jj, w_cur, w_nxt, shift, K, R)
     j = (c * K + jj)[None, :].to(tl.int64)
     candidate = j <= j_t[:, None]
     forced = (j == 0) | (j == j_t[:, None]) | (j == j_t[:, None] - 1)
@@ -125,7 +169,7 @@ def _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K: tl.const
 
 
 @triton.jit
-def _chunk_plan(t_first, t_last, block_len, block_stride, sel_block, n_sel, chunk_tokens, K: tl.constexpr):
+def chunk_plan(t_first, t_last, block_len, block_stride, sel_block, n_sel, chunk_tokens, K: tl.constexpr):
     """For rows of (document-relative) tokens t_first .. t_last: (whether every one chooses all its candidates,
     the chunks to walk, how many of them every row sees whole)."""
     # A tile whose tokens all have at most n candidate blocks chooses all of them: nothing to score.
@@ -138,7 +182,7 @@ def _chunk_plan(t_first, t_last, block_len, block_stride, sel_block, n_sel, chun
 
 
 @triton.jit
-def _overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K: tl.constexpr,
+def overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K: tl.constexpr,
                      R: tl.constexpr):
     """(w_cur, w_nxt, shift): the Eq. 9 weights of a chunk's compressed tokens into its blocks and the next chunk's
     first, the same for every chunk (a chunk starts at a multiple of l')."""
@@ -169,11 +213,11 @@ def _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse
     best = tl.full([BLOCK_T, K], -1, tl.int64)
     carry = tl.zeros([BLOCK_T, K], tl.float32)
     for c in range(0, n_whole):
-        p_tok = _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
+        p_tok = group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
                          block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, False, DOT_PRECISION)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
     for c in range(n_whole, n_chunks):
-        p_tok = _group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
+        p_tok = group_p(qa, qb, kbase, skt, c, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
                          block_len, block_stride, DK, BLOCK_T, HA, HB, C, TRANS, EXACT, True, DOT_PRECISION)
         best, carry = _rank_chunk(p_tok, c, best, carry, jj, j_t, w_cur, w_nxt, shift, K, R)
     return best
@@ -211,12 +255,8 @@ def _select_kernel(
     b = (pid_bg // G).to(tl.int64)
     g = pid_bg % G
     dk = tl.arange(0, BLOCK_DK)
-    # Rows: BLOCK_T tokens x HA heads (powers of two, so heads sum by a reshape), then x HB more heads where h is
-    # not a power of two: at M7C's h = 6, 4 + 2 rows per token instead of 8 with 2 padded.
-    qa, rta, lse2a = _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, 0, HA, DK, BLOCK_T)
-    qb, rtb, lse2b = qa, rta, lse2a
-    if HB > 0:
-        qb, rtb, lse2b = _head_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, HA, HB, DK, BLOCK_T)
+    qa, rta, lse2a, qb, rtb, lse2b = group_rows(Q, LSE, b, g, h, pid_t, T, sqb, sqt, sqh, slb, slt, dk, HA, HB, DK,
+                                                BLOCK_T)
 
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     if PACKED:
@@ -224,20 +264,15 @@ def _select_kernel(
         ci_local = tl.arange(0, C)
         # The tile's tokens may belong to several documents: each document's rows are ranked on their own, against
         # that document's compressed tokens and in its own positions, the other rows' p held at 0 (lse +inf).
-        tile_end = tl.minimum(T, pid_t * BLOCK_T + BLOCK_T)
-        starts = tl.load(DOC_START + tok, mask=tok < tile_end, other=0)
-        n_docs = 1 + tl.sum(((tok > pid_t * BLOCK_T) & (tok < tile_end) & (starts == tok)).to(tl.int32))
-        w_cur, w_nxt, shift = _overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K, R)
+        tile_end, n_docs = tile_documents(DOC_START, tok, pid_t * BLOCK_T, T, BLOCK_T)
+        w_cur, w_nxt, shift = overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K, R)
         first = pid_t * BLOCK_T
         for _ in range(n_docs):
-            doc = tl.load(DOC_START + first)
-            doc_end = tl.load(DOC_END + first)
-            last = tl.minimum(doc_end, tile_end) - 1
-            length = doc_end - doc
-            nc = tl.where(length >= block_len, (length - block_len) // block_stride + 1, 0)
-            kbase = KC + b * skb + g * skg + tl.load(CMP_START + first).to(tl.int64) * skt
+            doc, last, nc, cmp_first = document_segment(DOC_START, DOC_END, CMP_START, first, tile_end, block_len,
+                                                        block_stride)
+            kbase = KC + b * skb + g * skg + cmp_first * skt
             j_t = (tok - doc) // sel_block
-            all_fit, n_chunks, n_whole = _chunk_plan(first - doc, last - doc, block_len, block_stride, sel_block,
+            all_fit, n_chunks, n_whole = chunk_plan(first - doc, last - doc, block_len, block_stride, sel_block,
                                                      n_sel, chunk_tokens, K)
             best = _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta - doc, rtb - doc,
                            tl.where((rta >= first) & (rta <= last), lse2a, float("inf")),
@@ -250,11 +285,11 @@ def _select_kernel(
         j_t = tok // sel_block
         t_first = pid_t * BLOCK_T
         t_last = tl.minimum(T - 1, t_first + BLOCK_T - 1)
-        all_fit, n_chunks, n_whole = _chunk_plan(t_first, t_last, block_len, block_stride, sel_block, n_sel,
+        all_fit, n_chunks, n_whole = chunk_plan(t_first, t_last, block_len, block_stride, sel_block, n_sel,
                                                  chunk_tokens, K)
         jj = tl.arange(0, K)
         ci_local = tl.arange(0, C)
-        w_cur, w_nxt, shift = _overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K, R)
+        w_cur, w_nxt, shift = overlap_weights(jj, ci_local, block_len, block_stride, sel_block, chunk_tokens, K, R)
         kbase = KC + b * skb + g * skg
         best = _ranked(qa, qb, kbase, skt, chunk_tokens, ci_local, dk, rta, rtb, lse2a, lse2b, NC, scale_log2,
                        block_len, block_stride, j_t, jj, w_cur, w_nxt, shift, n_whole, n_chunks, DK, BLOCK_T, HA, HB,
@@ -270,24 +305,19 @@ def stencil_rank(block_len: int, block_stride: int, sel_block: int) -> int:
     return per_block if ok else 0
 
 
-def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, scale: float,
-                      geometry: NSAGeometry, layout: PackedLayout | None = None) -> torch.Tensor:
-    """Indices [B,T,G,n_sel] (int64, ascending, -1 padded) from q, k_cmp and the compressed branch's lse.
-
-    With `layout`, q is a packed stream [1, total, H, Dk] and k_cmp holds its documents' compressed tokens back to
-    back: each document is ranked alone, and its indices are relative to its own first block."""
-    B, T, H, Dk = q.shape
-    NC, G = k_cmp.shape[1], k_cmp.shape[2]
+def scoring_launch(q: torch.Tensor, groups: int, geometry: NSAGeometry) -> tuple[int, dict]:
+    """(compressed tokens per chunk, a launch's constexprs and warps/stages) of a kernel that scores the selection
+    blocks of queries q [B,T,H,Dk] over `groups` key/value groups in chunks of K blocks, BLOCK_T tokens a program
+    (the streaming kernel and the split one's score kernel)."""
+    Dk = q.shape[-1]
     block_len, block_stride, sel_block, n_sel, _ = geometry.as_tuple()
-    h = H // G
+    h = q.shape[2] // groups
     # The running list must hold n and each chunk must contain every block a compressed token reaches into.
     K = max(16, triton.next_power_of_2(n_sel), triton.next_power_of_2(-(-block_len // sel_block) + 1))
     chunk_tokens = K * sel_block // block_stride
-    idx = torch.empty(B, T, G, n_sel, device=q.device, dtype=torch.int64)
     hp = triton.next_power_of_2(h)
     on_gpu = q.device.type == "cuda"
     block_t = TUNING.select_block_t if on_gpu else 16
-    grid = (triton.cdiv(T, block_t), B * G)
     trans = block_t * hp <= TUNING.select_transposed_max_rows
     # Transposed, the heads split into a power of two and a padded rest (h = 6: 4 + 2); untransposed they stay one
     # padded set (the paper's h = 16 is a power of two either way).
@@ -297,16 +327,32 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
     # sums over a block's ranks would cross lanes).
     R = stencil_rank(block_len, block_stride, sel_block)
     C = max(16, triton.next_power_of_2(chunk_tokens))
+    return chunk_tokens, dict(
+        DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
+        HA=ha, HB=hb, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
+        num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
+    )
+
+
+def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, scale: float,
+                      geometry: NSAGeometry, layout: PackedLayout | None = None) -> torch.Tensor:
+    """Indices [B,T,G,n_sel] (int64, ascending, -1 padded) from q, k_cmp and the compressed branch's lse.
+
+    With `layout`, q is a packed stream [1, total, H, Dk] and k_cmp holds its documents' compressed tokens back to
+    back: each document is ranked alone, and its indices are relative to its own first block."""
+    B, T, H, _ = q.shape
+    NC, G = k_cmp.shape[1], k_cmp.shape[2]
+    block_len, block_stride, sel_block, n_sel, _ = geometry.as_tuple()
+    chunk_tokens, launch = scoring_launch(q, G, geometry)
+    idx = torch.empty(B, T, G, n_sel, device=q.device, dtype=torch.int64)
+    grid = (triton.cdiv(T, launch["BLOCK_T"]), B * G)
     packed_tables = (None,) * 3 if layout is None else (layout.doc_start, layout.doc_end, layout.cmp_start)
     _select_kernel[grid](
         q, k_cmp, lse_cmp, idx, *packed_tables,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         lse_cmp.stride(0), lse_cmp.stride(1), idx.stride(0), idx.stride(1), idx.stride(2),
-        T, NC, G, h, scale * LOG2E, block_len, block_stride, sel_block, n_sel, chunk_tokens,
-        DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
-        HA=ha, HB=hb, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens, PACKED=layout is not None,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
-        num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
+        T, NC, G, H // G, scale * LOG2E, block_len, block_stride, sel_block, n_sel, chunk_tokens,
+        PACKED=layout is not None, **launch,
     )
     return idx
