@@ -1,5 +1,5 @@
 """NSA on the GPU kernels: the stages in their order, on their streams, as the PyTorch custom ops `nsa::forward` and
-`nsa::backward` with autograd.
+`nsa::backward` with autograd, and for eager calls the same stages as an autograd.Function (EagerAttention).
 
 Packed documents: both ops take an optional cu_seqlens (int32 [N+1]); the forward builds the documents' tables
 (nsa.ops.packing) once and hands them to every stage, the backward rebuilds them (a few small device ops) rather
@@ -44,15 +44,12 @@ def _compressed_and_choice(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, geometry: NS
     return o_cmp, lse_cmp, dispatch.select_blocks(q, k_cmp, lse_cmp, scale, geometry, layout)
 
 
-@torch.library.custom_op("nsa::forward", mutates_args=())
-def nsa_forward(
+def _forward_stages(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
     gates: Tensor, block_len: int, block_stride: int, sel_block: int, n_sel: int, window: int, scale: float,
     needs_grad: bool, cu_seqlens: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """o, then what backward needs: each branch's output and lse, the indices and their inverse index (built where
-    a block-centric selected branch reads it: this forward, or with `needs_grad` the backward). With cu_seqlens,
-    one packed stream (B = 1) of documents."""
+) -> tuple[Tensor, ...]:
+    """nsa::forward's outputs (below), from its stages."""
     geometry = NSAGeometry(block_len, block_stride, sel_block, n_sel, window)
     forward_reads, built = dispatch.inverse_index_readers(q, k_sel, sel_block, needs_grad)
     T = q.shape[1]
@@ -74,6 +71,19 @@ def nsa_forward(
     return o, o_cmp, lse_cmp, o_sel, lse_sel, o_win, lse_win, indices, *inverse
 
 
+@torch.library.custom_op("nsa::forward", mutates_args=())
+def nsa_forward(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
+    gates: Tensor, block_len: int, block_stride: int, sel_block: int, n_sel: int, window: int, scale: float,
+    needs_grad: bool, cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """o, then what backward needs: each branch's output and lse, the indices and their inverse index (built where
+    a block-centric selected branch reads it: this forward, or with `needs_grad` the backward). With cu_seqlens,
+    one packed stream (B = 1) of documents."""
+    return _forward_stages(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block,
+                           n_sel, window, scale, needs_grad, cu_seqlens)
+
+
 @nsa_forward.register_fake
 def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_stride, sel_block, n_sel, window, scale,
       needs_grad, cu_seqlens=None):
@@ -91,15 +101,14 @@ def _(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, block_len, block_strid
             torch.empty_like(lse), idx, item, torch.empty_like(item), torch.empty_like(item), entries)
 
 
-@torch.library.custom_op("nsa::backward", mutates_args=())
-def nsa_backward(
+def _backward_stages(
     do: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
     gates: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_sel: Tensor, lse_sel: Tensor, o_win: Tensor, lse_win: Tensor,
     indices: Tensor, item_key: Tensor, item_start: Tensor, item_count: Tensor, entries: Tensor,
     block_len: int, block_stride: int, sel_block: int, n_sel: int, window: int, scale: float,
     cu_seqlens: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients for (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates); with cu_seqlens, of a packed stream."""
+) -> tuple[Tensor, ...]:
+    """nsa::backward's gradients (below), from its stages."""
     geometry = NSAGeometry(block_len, block_stride, sel_block, n_sel, window)
     do = do.contiguous()
     with skip_deterministic_fill():
@@ -122,6 +131,20 @@ def nsa_backward(
         dq = dispatch.query_grad(q, do, lse_g, delta, scale, geometry, (k_cmp, v_cmp), (k_win, v_win), sel_dq, layout)
         side.join()
     return dq.to(q.dtype), dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, dgates
+
+
+@torch.library.custom_op("nsa::backward", mutates_args=())
+def nsa_backward(
+    do: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor, v_win: Tensor,
+    gates: Tensor, o_cmp: Tensor, lse_cmp: Tensor, o_sel: Tensor, lse_sel: Tensor, o_win: Tensor, lse_win: Tensor,
+    indices: Tensor, item_key: Tensor, item_start: Tensor, item_count: Tensor, entries: Tensor,
+    block_len: int, block_stride: int, sel_block: int, n_sel: int, window: int, scale: float,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients for (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates); with cu_seqlens, of a packed stream."""
+    return _backward_stages(do, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, o_cmp, lse_cmp, o_sel, lse_sel,
+                            o_win, lse_win, indices, item_key, item_start, item_count, entries, block_len,
+                            block_stride, sel_block, n_sel, window, scale, cu_seqlens)
 
 
 @nsa_backward.register_fake
@@ -148,13 +171,42 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, do, *_unused):
+def _input_grads(ctx, do: Tensor, backward) -> tuple:
+    """The gradients of the forward's inputs from `backward` (nsa::backward or its stages) on the saved tensors."""
     *saved, cu_seqlens = ctx.saved_tensors
-    grads = nsa_backward(do, *saved, *ctx.geometry_and_scale, cu_seqlens)
+    grads = backward(do, *saved, *ctx.geometry_and_scale, cu_seqlens)
     return (*grads, None, None, None, None, None, None, None, None)
 
 
+def _backward(ctx, do, *_unused):
+    return _input_grads(ctx, do, nsa_backward)
+
+
 nsa_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The stages of nsa::forward and nsa::backward called without the custom ops, for eager calls: the same
+    kernels and saved tensors, without the dispatcher's host time per call (a custom op's Python dispatch costs
+    several times an autograd.Function's), which paces short eager calls. torch.compile, export and fake tensors
+    take the custom ops, which they can trace."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_stages(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, do, *_unused):
+        return _input_grads(ctx, do, _backward_stages)
+
+
+def _takes_eager_path(tensors: list[Tensor]) -> bool:
+    """Whether a call may skip the custom ops: not traced (torch.compile, export) and on plain tensors (no fake,
+    meta or subclass tensors, which only the custom ops' fake implementation serves)."""
+    return (not torch.compiler.is_compiling() and all(type(t) is Tensor for t in tensors)
+            and tensors[0].device.type != "meta")
 
 
 def _last_dim_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -170,7 +222,8 @@ def nsa_attention_kernels(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor
     args = [_last_dim_contiguous(t, dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)]
     # A forward with no backward to follow (inference, evaluation) skips what only the backward reads.
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args)
-    return nsa_forward(*args, *geometry.as_tuple(), float(scale), needs_grad, cu_seqlens)[0]
+    op = EagerAttention.apply if _takes_eager_path(args) else nsa_forward
+    return op(*args, *geometry.as_tuple(), float(scale), needs_grad, cu_seqlens)[0]
 
 
 @torch.no_grad()

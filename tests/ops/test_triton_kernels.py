@@ -148,6 +148,56 @@ def test_only_the_output_takes_a_gradient_and_no_zero_gradient_is_filled_for_the
     assert all(t.grad is not None for t in ins)
 
 
+def test_eager_calls_skip_the_custom_ops_and_match_them_bit_for_bit(sel_path):
+    # An eager call runs the custom ops' stages as an autograd.Function (no dispatcher host time): no nsa::forward
+    # or nsa::backward is dispatched, and the output and every gradient equal the custom ops' bit for bit.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nsa.ops import custom_ops
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    B, T, H, G, Dk, Dv, l, d, lp, n, w = SMALL
+    hp = dict(block_len=l, block_stride=d, sel_block=lp, n_sel=n, window=w)
+    ins = inputs(B, T, H, G, Dk, Dv, block_len=l, block_stride=d, seed=3, requires_grad=True)
+    do = torch.randn(B, T, H, Dv)
+    with Ops() as seen:
+        out = nsa_attention(*ins, **hp, backend="triton")
+        grads = torch.autograd.grad(out, ins, do)
+    assert not {"nsa::forward", "nsa::backward"} & seen.names
+    geometry = NSAGeometry(**hp)
+    with Ops() as seen:
+        op_out = custom_ops.nsa_forward(*ins, *geometry.as_tuple(), Dk**-0.5, True)[0]
+        op_grads = torch.autograd.grad(op_out, ins, do)
+    assert {"nsa::forward", "nsa::backward"} <= seen.names
+    assert torch.equal(out, op_out)
+    for name, g, r in zip(NAMES, grads, op_grads):
+        assert torch.equal(g, r), name
+
+
+def test_a_compiled_call_takes_the_custom_op():
+    # torch.compile traces the call into one nsa::forward node (opaque to the compiler), not into its stages.
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    B, T, H, G, Dk, Dv, l, d, lp, n, w = SMALL
+    hp = dict(block_len=l, block_stride=d, sel_block=lp, n_sel=n, window=w)
+    ins = inputs(B, T, H, G, Dk, Dv, block_len=l, block_stride=d, seed=3)
+    compiled = torch.compile(lambda *x: nsa_attention(*x, **hp, backend="triton"), backend=record, fullgraph=True)
+    torch.testing.assert_close(compiled(*ins), nsa_attention(*ins, **hp, backend="triton"), rtol=0, atol=0)
+    assert "nsa.forward.default" in targets
+
+
 
 
 @pytest.fixture
