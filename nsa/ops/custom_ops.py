@@ -20,7 +20,7 @@ from . import dispatch
 from .branches import MODE_CMP, MODE_WIN
 from .geometry import NSAGeometry
 from .packing import PackedLayout, packed_layout, selection_block_capacity
-from .triton.common import skip_deterministic_fill
+from .triton.common import eager_call, skip_deterministic_fill
 from .triton.gating import gate_grads
 from .triton.inverse_index import build_inverse_index, built_items
 
@@ -202,12 +202,6 @@ class EagerAttention(torch.autograd.Function):
         return _input_grads(ctx, do, _backward_stages)
 
 
-def _takes_eager_path(tensors: list[Tensor]) -> bool:
-    """Whether a call may skip the custom ops: not traced (torch.compile, export) and on plain tensors (no fake,
-    meta or subclass tensors, which only the custom ops' fake implementation serves)."""
-    return (not torch.compiler.is_compiling() and all(type(t) is Tensor for t in tensors)
-            and tensors[0].device.type != "meta")
-
 
 def _last_dim_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
     t = t.to(dtype)
@@ -222,7 +216,7 @@ def nsa_attention_kernels(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor
     args = [_last_dim_contiguous(t, dtype) for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)]
     # A forward with no backward to follow (inference, evaluation) skips what only the backward reads.
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in args)
-    op = EagerAttention.apply if _takes_eager_path(args) else nsa_forward
+    op = EagerAttention.apply if eager_call(args) else nsa_forward
     return op(*args, *geometry.as_tuple(), float(scale), needs_grad, cu_seqlens)[0]
 
 

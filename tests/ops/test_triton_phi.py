@@ -275,3 +275,34 @@ def test_compression_layout_cuts_chunks_of_d_tokens_inside_each_document():
     assert layout.cmp_start.tolist() == [0] * 10 + [3] * 7
     assert layout.doc_start.tolist() == [0] + [1] * 9 + [10] * 7
     assert layout.doc_end.tolist() == [1] + [10] * 9 + [17] * 7
+
+
+def test_eager_calls_skip_the_custom_ops_and_match_them_bit_for_bit(monkeypatch):
+    # An eager call runs nsa::phi_mlp's kernels as an autograd.Function (no dispatcher host time); through the
+    # custom ops (as torch.compile calls them) the output and every gradient are the same bits.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    B, T, G, D, hidden, l, d = CASES[0]
+    _, fast = pair(D, hidden, l, d)
+    x = keys(B, T, G, D)
+    ops = {"nsa::phi_mlp", "nsa::phi_mlp_backward"}
+    runs = []
+    for eager in (True, False):
+        monkeypatch.setattr(compression, "eager_call", lambda tensors, eager=eager: eager)
+        with Ops() as seen:
+            out = fast(x)
+            runs.append((out, grads(fast, x, out, torch.ones_like(out))))
+        assert (ops & seen.names) == (set() if eager else ops)
+    (out, g), (op_out, op_g) = runs
+    assert torch.equal(out, op_out)
+    for name, a, b in zip(("x", "pos", "fc1", "fc2"), g, op_g):
+        assert torch.equal(a, b), name

@@ -16,7 +16,7 @@ serves all h heads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import triton
@@ -337,6 +337,14 @@ def dot_width(n: int) -> int:
 def head_dims(dk: int, dv: int) -> dict:
     """Constexpr head dims and their power-of-two tile widths (at least 16 for tl.dot)."""
     return dict(DK=dk, DV=dv, BLOCK_DK=dot_width(dk), BLOCK_DV=dot_width(dv))
+
+
+def eager_call(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a call may skip its custom op for an autograd.Function over the same stages (less host time a call):
+    not traced (torch.compile, export) and on plain tensors (no fake, meta or subclass tensors, which only a custom
+    op's fake implementation serves)."""
+    return (not torch.compiler.is_compiling() and all(type(t) is torch.Tensor for t in tensors)
+            and tensors[0].device.type != "meta")
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..packing import CompressionLayout
 from ..tuning import TUNING
-from .common import deterministic, dot_precision, dot_width, num_sms
+from .common import deterministic, dot_precision, dot_width, eager_call, num_sms
 
 
 def phi_mlp_supports(block_len: int, block_stride: int) -> bool:
@@ -280,6 +280,25 @@ def _n_blocks(T: int, block_len: int, block_stride: int) -> int:
     return (T - block_len) // block_stride + 1
 
 
+def _phi_forward_stages(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor, w1_1: Tensor,
+                        w2_0: Tensor, w2_1: Tensor, row_start: Tensor | None, chunk_start: Tensor | None,
+                        doc_start: Tensor | None, doc_end: Tensor | None, cmp_start: Tensor | None, block_len: int,
+                        block_stride: int, sets: int) -> tuple[Tensor, Tensor]:
+    """nsa::phi_mlp's outputs (below), from its kernel."""
+    B, T, G, D = x0.shape
+    H = w1_0.shape[0]
+    n_blocks = _n_blocks(T, block_len, block_stride)
+    out = x0.new_empty(sets, B, n_blocks, G, D)
+    hid = x0.new_empty(sets, B, n_blocks, G, H, dtype=torch.float32)
+    block_m, block_d, block_h = _launch_shape(x0, H)
+    grid = (triton.cdiv(n_blocks, block_m), B * G, sets)
+    _phi_fwd_kernel[grid](x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid, row_start,
+                          *x0.stride()[:3], *x1.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len, D=D,
+                          H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, PACKED=row_start is not None,
+                          DOT_PRECISION=dot_precision(x0.dtype), num_warps=TUNING.phi_warps)
+    return out, hid
+
+
 @torch.library.custom_op("nsa::phi_mlp", mutates_args=())
 def phi_mlp_forward(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor, w1_1: Tensor, w2_0: Tensor,
                     w2_1: Tensor, row_start: Tensor | None, chunk_start: Tensor | None, doc_start: Tensor | None,
@@ -294,18 +313,8 @@ def phi_mlp_forward(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Te
     The weights may be wider than x (float32 parameters under autocast): the kernels round pos and w2 as they
     load them (once a program), w1 is rounded here and again in the backward (its inner loops would pay for
     wide loads). Their gradients come back in their own types, with no casts either way."""
-    B, T, G, D = x0.shape
-    H = w1_0.shape[0]
-    n_blocks = _n_blocks(T, block_len, block_stride)
-    out = x0.new_empty(sets, B, n_blocks, G, D)
-    hid = x0.new_empty(sets, B, n_blocks, G, H, dtype=torch.float32)
-    block_m, block_d, block_h = _launch_shape(x0, H)
-    grid = (triton.cdiv(n_blocks, block_m), B * G, sets)
-    _phi_fwd_kernel[grid](x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid, row_start,
-                          *x0.stride()[:3], *x1.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len, D=D,
-                          H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, PACKED=row_start is not None,
-                          DOT_PRECISION=dot_precision(x0.dtype), num_warps=TUNING.phi_warps)
-    return out, hid
+    return _phi_forward_stages(x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, row_start, chunk_start, doc_start,
+                               doc_end, cmp_start, block_len, block_stride, sets)
 
 
 @phi_mlp_forward.register_fake
@@ -325,13 +334,12 @@ def _splits(n_rows: int, block_len: int, sets: int, x: Tensor) -> int:
     return max(1, min(triton.cdiv(programs, block_len * sets), triton.cdiv(n_rows, TUNING.phi_w1_rows)))
 
 
-@torch.library.custom_op("nsa::phi_mlp_backward", mutates_args=())
-def phi_mlp_backward(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor, w1_1: Tensor,
-                     w2_0: Tensor, w2_1: Tensor, row_start: Tensor | None, chunk_start: Tensor | None,
-                     doc_start: Tensor | None, doc_end: Tensor | None, cmp_start: Tensor | None, hid: Tensor,
-                     block_len: int, block_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients (dx0, dx1 (empty for one set), dpos [S,l,D], dw1 [S,H,l*D], dw2 [S,D,H]), each in its input's
-    type; the weights' stacked by set."""
+def _phi_backward_stages(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor,
+                         w1_1: Tensor, w2_0: Tensor, w2_1: Tensor, row_start: Tensor | None,
+                         chunk_start: Tensor | None, doc_start: Tensor | None, doc_end: Tensor | None,
+                         cmp_start: Tensor | None, hid: Tensor, block_len: int,
+                         block_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """nsa::phi_mlp_backward's gradients (below), from its kernels."""
     dy = dy.contiguous()
     sets, B, n_blocks, G, H = hid.shape
     T, D = x0.shape[1], x0.shape[3]
@@ -374,6 +382,17 @@ def phi_mlp_backward(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Ten
     return dx0, dx1, *(g.to(w.dtype) for g, w in ((dpos, pos0), (dw1, w1_0), (dw2, w2_0)))
 
 
+@torch.library.custom_op("nsa::phi_mlp_backward", mutates_args=())
+def phi_mlp_backward(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor, w1_1: Tensor,
+                     w2_0: Tensor, w2_1: Tensor, row_start: Tensor | None, chunk_start: Tensor | None,
+                     doc_start: Tensor | None, doc_end: Tensor | None, cmp_start: Tensor | None, hid: Tensor,
+                     block_len: int, block_stride: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (dx0, dx1 (empty for one set), dpos [S,l,D], dw1 [S,H,l*D], dw2 [S,D,H]), each in its input's
+    type; the weights' stacked by set."""
+    return _phi_backward_stages(dy, x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, row_start, chunk_start, doc_start,
+                                doc_end, cmp_start, hid, block_len, block_stride)
+
+
 @phi_mlp_backward.register_fake
 def _(dy, x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, row_start, chunk_start, doc_start, doc_end, cmp_start, hid,
       block_len, block_stride):
@@ -393,14 +412,34 @@ def _setup_context(ctx, inputs, output):
 _NO_GRADS = (None,) * 8  # the five tables, block_len, block_stride, sets
 
 
-def _backward(ctx, dy, _unused):
-    dx0, dx1, dpos, dw1, dw2 = phi_mlp_backward(dy, *ctx.saved_tensors, *ctx.geometry)
+def _input_grads(ctx, dy: Tensor, backward) -> tuple:
+    """The gradients of the forward's inputs from `backward` (nsa::phi_mlp_backward or its stages)."""
+    dx0, dx1, dpos, dw1, dw2 = backward(dy, *ctx.saved_tensors, *ctx.geometry)
     if dpos.shape[0] == 1:  # one set: its arguments stood in for set 1's
         return dx0, None, dpos[0], None, dw1[0], None, dw2[0], None, *_NO_GRADS
     return dx0, dx1, *dpos.unbind(), *dw1.unbind(), *dw2.unbind(), *_NO_GRADS
 
 
+def _backward(ctx, dy, _unused):
+    return _input_grads(ctx, dy, phi_mlp_backward)
+
+
 phi_mlp_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerPhi(torch.autograd.Function):
+    """nsa::phi_mlp's and nsa::phi_mlp_backward's kernels without the custom ops, for eager calls (less host time
+    a call); torch.compile, export and fake tensors take the custom ops."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _phi_forward_stages(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dy, _unused):
+        return _input_grads(ctx, dy, _phi_backward_stages)
 
 
 def phi_mlp_triton(xs: tuple[Tensor, ...], params: tuple[tuple[Tensor, Tensor, Tensor], ...], block_len: int,
@@ -419,6 +458,7 @@ def phi_mlp_triton(xs: tuple[Tensor, ...], params: tuple[tuple[Tensor, Tensor, T
     (pos0, w1_0, w2_0), (pos1, w1_1, w2_1) = params[0], params[-1]
     x0, x1 = xs[0], xs[-1]
     tables = (None,) * 5 if layout is None else layout.tensors()
-    out = phi_mlp_forward(x0, x1, *(p.contiguous() for p in (pos0, pos1, w1_0, w1_1, w2_0, w2_1)), *tables,
-                          block_len, block_stride, sets)[0]
+    weights = [p.contiguous() for p in (pos0, pos1, w1_0, w1_1, w2_0, w2_1)]
+    op = EagerPhi.apply if eager_call([x0, x1, *weights]) else phi_mlp_forward
+    out = op(x0, x1, *weights, *tables, block_len, block_stride, sets)[0]
     return tuple(out.unbind(0))
