@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nsa.ops.geometry import num_compressed_blocks
 
@@ -81,6 +82,18 @@ def tf32_matmuls(allowed: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.fp32_precision, matmul.fp32_precision = saved
+
+
+class DispatchedOps(TorchDispatchMode):
+    """Records the qualified name of every operator dispatched inside (e.g. "nsa::forward", "aten::mm")."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
 
 
 class LaunchSpy:

@@ -9,7 +9,7 @@ trainer does, on a GPU).
 import pytest
 import torch
 
-from helpers import NAMES, LaunchSpy, assert_same_selection, nsa_inputs
+from helpers import NAMES, DispatchedOps, LaunchSpy, assert_same_selection, nsa_inputs
 from nsa.ops import NSAGeometry, nsa_attention, reference, select_blocks, tuning
 from nsa.ops.branches import BLOCKS, MODE_CMP, TILED, TOKEN
 from nsa.ops.dispatch import selected_path, span_forward
@@ -151,29 +151,18 @@ def test_only_the_output_takes_a_gradient_and_no_zero_gradient_is_filled_for_the
 def test_eager_calls_skip_the_custom_ops_and_match_them_bit_for_bit(sel_path):
     # An eager call runs the custom ops' stages as an autograd.Function (no dispatcher host time): no nsa::forward
     # or nsa::backward is dispatched, and the output and every gradient equal the custom ops' bit for bit.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from nsa.ops import custom_ops
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func._schema.name)
-            return func(*args, **(kwargs or {}))
 
     B, T, H, G, Dk, Dv, l, d, lp, n, w = SMALL
     hp = dict(block_len=l, block_stride=d, sel_block=lp, n_sel=n, window=w)
     ins = inputs(B, T, H, G, Dk, Dv, block_len=l, block_stride=d, seed=3, requires_grad=True)
     do = torch.randn(B, T, H, Dv)
-    with Ops() as seen:
+    with DispatchedOps() as seen:
         out = nsa_attention(*ins, **hp, backend="triton")
         grads = torch.autograd.grad(out, ins, do)
     assert not {"nsa::forward", "nsa::backward"} & seen.names
     geometry = NSAGeometry(**hp)
-    with Ops() as seen:
+    with DispatchedOps() as seen:
         op_out = custom_ops.nsa_forward(*ins, *geometry.as_tuple(), Dk**-0.5, True)[0]
         op_grads = torch.autograd.grad(op_out, ins, do)
     assert {"nsa::forward", "nsa::backward"} <= seen.names

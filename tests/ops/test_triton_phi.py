@@ -7,7 +7,7 @@ a looser tolerance: float32 products are TF32 wherever PyTorch allows it (the tr
 import pytest
 import torch
 
-from helpers import LaunchSpy
+from helpers import DispatchedOps, LaunchSpy
 from nsa.model.compression import BlockCompressor
 from nsa.ops.triton import compression
 from nsa.ops.triton.compression import phi_mlp_supports
@@ -280,17 +280,6 @@ def test_compression_layout_cuts_chunks_of_d_tokens_inside_each_document():
 def test_eager_calls_skip_the_custom_ops_and_match_them_bit_for_bit(monkeypatch):
     # An eager call runs nsa::phi_mlp's kernels as an autograd.Function (no dispatcher host time); through the
     # custom ops (as torch.compile calls them) the output and every gradient are the same bits.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
     B, T, G, D, hidden, l, d = CASES[0]
     _, fast = pair(D, hidden, l, d)
     x = keys(B, T, G, D)
@@ -298,7 +287,7 @@ def test_eager_calls_skip_the_custom_ops_and_match_them_bit_for_bit(monkeypatch)
     runs = []
     for eager in (True, False):
         monkeypatch.setattr(compression, "eager_call", lambda tensors, eager=eager: eager)
-        with Ops() as seen:
+        with DispatchedOps() as seen:
             out = fast(x)
             runs.append((out, grads(fast, x, out, torch.ones_like(out))))
         assert (ops & seen.names) == (set() if eager else ops)
