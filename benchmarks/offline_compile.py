@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nsa.ops.triton import (compression, decode, dense_decode, inverse_index, query_grad, selected_attention, selection,
-                            selection_split, span_attention)
+                            span_attention)
 from nsa.ops.triton.common import dot_precision
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
@@ -55,14 +55,6 @@ KERNELS = {
     "select": (selection._select_kernel,
                dict(DK=64, BLOCK_DK=64, BLOCK_T=16, HA=4, HB=2, K=16, C=64, R=4, TRANS=True, EXACT=True, **UNPACKED),
                dict(Q=BF16, KC=BF16, LSE=F32, IDX=I64), ("scale_log2",)),
-    # The split selection (TUNING.selection_split): scores into a [B, G, T, Ns] buffer, then top-n over rows of
-    # Ns = 1,024 blocks (T = 65,536), two rows a program.
-    "select_scores": (selection_split._score_kernel,
-                      dict(DK=64, BLOCK_DK=64, BLOCK_T=16, HA=4, HB=2, K=16, C=64, R=4, TRANS=True, EXACT=True,
-                           **UNPACKED),
-                      dict(Q=BF16, KC=BF16, LSE=F32, S=F32), ("scale_log2",)),
-    "select_top": (selection_split._top_kernel, dict(BLOCK_R=2, NSP=1024, NP=16, **UNPACKED), dict(S=F32, IDX=I64),
-                   ()),
     "sel_fwd_partial": (selected_attention._sel_fwd_partial_kernel, dict(**DIMS, BLOCK_L=64, BLOCK_R=64, h=6, n=16,
                                                                         FULL=True, **UNPACKED),
                         dict(Q=BF16, K=BF16, V=BF16, OPART=BF16, LSEPART=F32, ITEM_KEY=I32, ITEM_START=I32,

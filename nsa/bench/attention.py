@@ -283,8 +283,6 @@ SWEEP = {
     "tiled_max_blocks_large_groups": [0, 32],
     "select_block_t": [8, 32],
     "select_warps": [2, 8],
-    "selection_split": [True],
-    "selection_split+select_top_keys": [(True, 1024), (True, 4096)],
     "branch_streams": [False],
 }
 """Values tried for each launch parameter, or for several at once (names joined by '+', value tuples); the

@@ -6,7 +6,7 @@ Every choice between kernels is made here, from the tensors' metadata and `TUNIN
   the Gluon kernel of nsa.ops.gluon where its switch is on, the call is large enough (TUNING.gluon_span_min_elements)
   and the kernel supports it (an sm_90 GPU, bf16, ...; packed documents, a PackedLayout, only with
   TUNING.gluon_packed, and never the tiled selected branch), the Triton kernel of nsa.ops.triton otherwise;
-- select_blocks: the selection, the streaming kernel or (TUNING.selection_split) the score and top-n kernels;
+- select_blocks: the selection (the streaming kernel);
 - selected_path: the selected branch's path (tiled, per-query or block-centric), from T, h and l' alone, so that
   torch.compile's fake tensors decide it too;
 - selected_forward, selected_backward: that path's kernels, the block-centric ones in Gluon for calls large enough;
@@ -33,7 +33,6 @@ from .gluon import selected_forward as gluon_selected_forward
 from .streams import SideStream
 from .triton import query_grad as triton_query_grad
 from .triton import selected_attention as triton_selected
-from .triton import selection_split
 from .triton import span_attention as triton_span
 from .triton.common import deterministic, tile_sizes
 from .triton.inverse_index import build_inverse_index
@@ -102,10 +101,7 @@ def _gluon_selected_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, sel_bl
 def select_blocks(q: Tensor, k_cmp: Tensor, lse_cmp: Tensor, scale: float, geometry: NSAGeometry,
                   layout: PackedLayout | None = None) -> Tensor:
     """Indices [B,T,G,n] (int64, ascending, -1 padded; document-relative with `layout`) from q, k_cmp and the
-    compressed branch's lse: the score and top-n kernels with TUNING.selection_split where they serve the length,
-    the streaming kernel otherwise."""
-    if TUNING.selection_split and selection_split.supports(q.shape[1], geometry):
-        return selection_split.select_blocks_split(q, k_cmp, lse_cmp, scale, geometry, layout)
+    compressed branch's lse."""
     return select_blocks_fwd(q, k_cmp, lse_cmp, scale, geometry, layout)
 
 

@@ -137,15 +137,6 @@ class Tuning:
     """The selection kernel computes its scores transposed while a tile has at most this many (token, head) rows
     (select_block_t x heads per group, padded to a power of two); larger tiles transposed would compute their
     product twice on 8 warps."""
-    selection_split: bool = False
-    """Run the selection as two kernels (nsa.ops.triton.selection_split): one writes every query's Eq. 9 block
-    scores to a float32 [B, G, T, Ns] buffer (4 * B * G * T * Ns bytes: 512 MiB for M7C's G = 2 at 64k tokens),
-    the other picks each row's top n by n argmax passes, instead of the streaming kernel that keeps a running top-K
-    per chunk and writes no scores. Same indices, packed documents included; sequences of more than
-    selection_split.MAX_BLOCKS blocks stay on the streaming kernel. Off until timed against the streaming kernel
-    on a GPU."""
-    select_top_keys: int = 2048
-    """(row, block) keys per program of the split selection's top-n kernel: rows of fewer blocks share a program."""
     gate_block_m: int = 32
     """(token, head) rows per program of the gate-gradient kernel (gating.py)."""
     gate_warps: int = 4

@@ -92,7 +92,7 @@ def product_kernels(monkeypatch):
 
 
 def run_every_kernel(dtype, monkeypatch):
-    """NSA attention forward and backward on each selected-branch path (and a forward with the split selection),
+    """NSA attention forward and backward on each selected-branch path,
     phi's MLP forward and backward, and an NSA and a dense decode step, at tiny shapes, on inputs of `dtype`."""
     for path in ("tiled", "blocks", "token"):
         with monkeypatch.context() as m:
@@ -102,9 +102,6 @@ def run_every_kernel(dtype, monkeypatch):
             ins = nsa_inputs(1, 13, 4, 2, 8, 8, block_len=8, block_stride=4, dtype=dtype, requires_grad=True)
             out = nsa_attention(*ins, **HP, backend="triton")
             out.backward(torch.randn_like(out))
-    with monkeypatch.context() as m:  # the selection's score and top-n kernels
-        m.setattr(tuning.TUNING, "selection_split", True)
-        nsa_attention(*nsa_inputs(1, 13, 4, 2, 8, 8, block_len=8, block_stride=4, dtype=dtype), **HP, backend="triton")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 12, 1, 8, generator=g).to(dtype).requires_grad_()
     pos, w1, w2 = (torch.randn(*shape, generator=g).to(dtype) for shape in ((8, 8), (16, 64), (8, 16)))

@@ -63,39 +63,6 @@ def test_bf16_kernels_match_the_float32_reference(name, T):
     assert_bf16_output_and_gradients(out, ins, ref, f32)
 
 
-def split_and_streaming(q, k_cmp, layout=None):
-    """(the split selection's indices, the streaming kernel's) on one compressed-branch lse, in the GPU's own
-    compile of each."""
-    from nsa.ops.branches import MODE_CMP
-    from nsa.ops.triton.selection import select_blocks_fwd
-    from nsa.ops.triton.selection_split import select_blocks_split
-
-    scale = q.shape[-1] ** -0.5
-    _, lse = dispatch.span_forward(q, k_cmp, k_cmp, MODE_CMP, scale, GEOMETRY, layout=layout)
-    return (select_blocks_split(q, k_cmp, lse, scale, GEOMETRY, layout),
-            select_blocks_fwd(q, k_cmp, lse, scale, GEOMETRY, layout))
-
-
-@pytest.mark.parametrize("name,T", [("m7c", 8192), ("paper", 8192), ("m7c", 8191)])
-def test_split_selection_matches_the_streaming_kernel(name, T):
-    # TUNING.selection_split: the score and top-n kernels compute the streaming kernel's scores with the same
-    # operations and rank them with the same keys; only a different summation order inside a compiled kernel
-    # may swap blocks whose scores tie to float32 rounding.
-    q, k_cmp = bf16_inputs(1, T, name, seed=T, requires_grad=False)[:2]
-    split, streaming = split_and_streaming(q, k_cmp)
-    scores = reference.selection_scores(q.float(), k_cmp.float(), block_len=32, block_stride=16, sel_block=64)
-    assert_same_selection(split, streaming, scores, rtol=1e-3)
-    assert (split != streaming).any(-1).float().mean() < 1e-3
-
-
-def test_split_selection_offsets_beyond_two_billion_elements():
-    # B = 2 at 128k tokens of the paper's shape: the score buffer's offsets of the second sequence exceed 2^31.
-    q, k_cmp = bf16_inputs(2, 131072, "paper", seed=5, requires_grad=False)[:2]
-    both, streaming = split_and_streaming(q, k_cmp)
-    assert torch.equal(both[1:], split_and_streaming(q[1:], k_cmp[1:])[0])
-    assert (both != streaming).any(-1).float().mean() < 1e-3
-
-
 @pytest.mark.parametrize(
     "name,T",
     # M7C at 4096 tokens (64 blocks): the selected forward tiled, its backward block-centric; groups of 16 (the
@@ -623,20 +590,6 @@ def test_one_packed_document_is_the_unpacked_call(packed_gathered_path):
     torch.testing.assert_close(packed[0], o_sel, rtol=0, atol=0)
     for out_name, x, w in zip(("dq", "dk", "dv"), packed[1:], (sel.dense(), dk, dv)):
         torch.testing.assert_close(x, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{out_name}: {m}")
-
-
-def test_packed_split_selection_matches_the_streaming_kernel_and_each_document_alone():
-    # M7C with documents of 1 to 4k tokens totalling 16k: the score and top-n kernels against the streaming one,
-    # and each document's choice against the float32 reference on that document alone.
-    from nsa.ops.packing import packed_layout
-
-    q, k_cmp, _, _, cu, _ = packed_stream(drawn_lengths(16384, 4096, seed=3), "m7c", seed=4)
-    split, streaming = split_and_streaming(q, k_cmp, packed_layout(cu, GEOMETRY, q.shape[1], k_cmp.shape[1]))
-    assert (split != streaming).any(-1).float().mean() < 1e-3
-    for (a, b), (r0, r1) in packed_documents(cu):
-        scores = reference.selection_scores(q[:, a:b].float(), k_cmp[:, r0:r1].float(), block_len=32,
-                                            block_stride=16, sel_block=64, scale=q.shape[-1] ** -0.5)
-        assert_same_selection(split[:, a:b], streaming[:, a:b], scores, rtol=1e-3)
 
 
 # ---------------------------------------------------------------- packed documents

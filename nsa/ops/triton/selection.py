@@ -14,9 +14,6 @@ A compressed token starting in chunk c can reach into chunk c + 1 (it spans l
 tokens); that part is carried over. Ranking uses one int64 key per block:
 (float bits of the score) << 32 | (2^32 - 1 - j), so larger scores win and equal
 scores go to the lower j; forced blocks get the bits of +inf, non-candidates -1.
-
-selection_split.py runs the same scoring as a kernel that stores the scores and a top-n kernel
-(TUNING.selection_split); the @triton.jit helpers without a leading underscore and scoring_launch serve both.
 """
 
 from __future__ import annotations
