@@ -1,6 +1,6 @@
 """Compile an NSA kernel for sm_90 without a GPU: registers, spills, shared memory and the SASS instruction mix.
 
-    python benchmarks/offline_compile.py KERNEL [NAME=VALUE ...] [--warps N] [--stages N]
+    python benchmarks/offline_compile.py KERNEL [NAME=VALUE ...] [--warps N] [--stages N] [--float32]
 
 KERNEL is one of the names below, at M7C's shapes (head dim 64, 6 heads per key/value group), or `all` (each with
 its own constants); NAME=VALUE overrides a compile-time constant (e.g. BLOCK_R=32). Pointers and the integer arguments that are multiples
@@ -8,6 +8,10 @@ of 16 at M7C's shapes get Triton's divisible-by-16 specialisation, as on the GPU
 LDL/STL) and the mix of the arithmetic are what this is for: a kernel that spills on the GPU shows it here first.
 "GPU fences" counts GPU-wide memory barriers: Triton's atomics default to acq_rel, which puts one (and an L1
 invalidation) around every atomic instruction; the kernels' float32 reductions ask for relaxed ones.
+--float32 compiles for float32 inputs (bf16 pointers become float32, products at dot_precision(float32) with TF32
+off, i.e. IEEE); pass the tiles such launches take (nsa.ops.triton.common.ieee_products), e.g. `span_dkdv_win
+BLOCK_M=32 BLOCK_N=32 --float32 --warps 8 --stages 1`. Shared memory past sm_90's limit is flagged: such a launch
+fails on the GPU.
 """
 
 from __future__ import annotations
@@ -124,11 +128,29 @@ KERNELS = {
 }
 
 
-def compile_kernel(name: str, overrides: dict, warps: int, stages: int):
+SM90_SHARED_BYTES = 232448  # the most shared memory one program may opt into on sm_90
+
+
+def float32_precision_without_tf32() -> str:
+    """dot_precision(float32) with PyTorch's TF32 switch off (it is restored)."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "ieee"
+    try:
+        return dot_precision(torch.float32)
+    finally:
+        matmul.fp32_precision = before
+
+
+def compile_kernel(name: str, overrides: dict, warps: int, stages: int, float32: bool = False):
     kernel, consts, pointers, floats = KERNELS[name]
     names = list(kernel.arg_names)
-    # The products' precision of bf16 inputs, for the kernels that take one (nsa.ops.triton.common.dot_precision).
-    consts = ({"DOT_PRECISION": dot_precision(torch.bfloat16)} if "DOT_PRECISION" in names else {}) | consts | overrides
+    dtype = torch.float32 if float32 else torch.bfloat16
+    if float32:
+        pointers = {n: F32 if t == BF16 else t for n, t in pointers.items()}
+    # The products' precision of the inputs, for the kernels that take one (nsa.ops.triton.common.dot_precision).
+    precision = float32_precision_without_tf32() if float32 else dot_precision(dtype)
+    consts = ({"DOT_PRECISION": precision} if "DOT_PRECISION" in names else {}) | consts | overrides
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in floats else "i32") for n in names}
     divisible = (DIVISIBLE | ({"NK"} if consts.get("MODE", 0) else set())) - (
         {"sit", "sig"} if consts.get("MODE") == 2 else set())  # MODE_SEL's chosen bits are [B,T,G] int64
@@ -173,7 +195,9 @@ def report(compiled) -> str:
     regs = re.search(r"REG:(\d+)", usage).group(1)
     stack = re.search(r"STACK:(\d+)", usage).group(1)
     return (f"registers {regs}  spill stack {stack} B  LDL/STL {sass.count('LDL') + sass.count('STL')}  "
-            f"shared {compiled.metadata.shared} B  SASS {instructions}  "
+            f"shared {compiled.metadata.shared} B"
+            f"{' (over sm_90 limit: the launch fails)' if compiled.metadata.shared > SM90_SHARED_BYTES else ''}  "
+            f"SASS {instructions}  "
             f"MMA {sass.count('HMMA') + sass.count('HGMMA')}  MUFU.EX2 {sass.count('MUFU.EX2')}  "
             f"BAR {sass.count('BAR.SYNC')}  LDGSTS {sass.count('LDGSTS')}  LDG {sass.count('LDG.')}  "
             f"GPU fences {sass.count('MEMBAR.ALL.GPU') + sass.count('MEMBAR.SC.GPU')}")
@@ -185,6 +209,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="NAME=VALUE compile-time constants (integers or True/False)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--float32", action="store_true", help="float32 inputs, products at float32 accuracy")
     args = ap.parse_args()
     overrides = {}
     for item in args.overrides:
@@ -193,8 +218,8 @@ def main() -> None:
             raise SystemExit(f"offline_compile: expected NAME=VALUE, got {item!r}")
         overrides[key] = {"True": True, "False": False}.get(value) if value in ("True", "False") else int(value)
     for name in KERNELS if args.kernel == "all" else [args.kernel]:
-        print(name, f"warps {args.warps}", *args.overrides, "\n  " + report(
-            compile_kernel(name, overrides, args.warps, args.stages)), flush=True)
+        print(name, f"warps {args.warps}", *args.overrides, "float32" if args.float32 else "", "\n  " + report(
+            compile_kernel(name, overrides, args.warps, args.stages, args.float32)), flush=True)
 
 
 if __name__ == "__main__":

@@ -188,3 +188,34 @@ def test_gluon_kernels_build_for_packed_documents():
         "    print(kernel.__name__, 'wgmma.mma_async' in c.asm['ptx'], report(c))\n"
     )
     _assert_built(check, 7)
+
+
+def test_float32_launches_with_ieee_products_build_without_heavy_spills():
+    # Float32 inputs with TF32 off multiply as IEEE FMA loops; their launches take the tiles of
+    # nsa.ops.triton.common.ieee_products (read here from the launch helpers, on a stand-in CUDA float32 tensor).
+    # At the bf16 tiles these kernels spilled tens of kilobytes a thread; at these they must stay under 2 KB and
+    # fit sm_90's shared memory.
+    check = (
+        "import sys, types, re; sys.path.insert(0, 'benchmarks'); import torch\n"
+        "import offline_compile as oc\n"
+        "from nsa.ops.triton.common import tile_sizes\n"
+        "from nsa.ops.triton import selected_attention as sa\n"
+        "fake = types.SimpleNamespace(is_cuda=True, dtype=torch.float32, device=types.SimpleNamespace(type='cuda'),\n"
+        "                             shape=(1, 64, 16, 128))\n"
+        "torch.backends.cuda.matmul.fp32_precision = 'ieee'\n"
+        "wide = dict(DK=128, DV=128, BLOCK_DK=128, BLOCK_DV=128)\n"
+        "span = tile_sizes(fake, 64, 64, 'dkdv'); item = sa._item_launch(fake, 128)\n"
+        "cases = (('span_dkdv_win', {k: span[k] for k in ('BLOCK_M', 'BLOCK_N')}, span),\n"
+        "         ('sel_bwd', dict(wide, BLOCK_R=item['BLOCK_R']), item))\n"
+        "for name, consts, launch in cases:\n"
+        "    c = oc.compile_kernel(name, consts, launch['num_warps'], launch['num_stages'], float32=True)\n"
+        "    r = oc.report(c)\n"
+        "    ok = int(re.search(r'spill stack (\\d+)', r).group(1)) < 2048 and c.metadata.shared <= oc.SM90_SHARED_BYTES\n"
+        "    print(name, ok, r)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=BENCHMARKS.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().split("\n")
+    assert len(lines) == 2 and all(" True " in line for line in lines), out.stdout

@@ -435,6 +435,30 @@ def test_phi_kernels_in_bf16_match_the_float32_module(B, T):
     torch.testing.assert_close(compiled(x), got, rtol=0, atol=0)
 
 
+def test_phi_kernels_in_float32_match_the_float64_module():
+    """phi's MLP at M7C's shape in float32 with TF32 off against the module in float64: float32 accuracy (its
+    float32 tiles must also fit sm_90's shared memory: the backward's token kernel runs one pipeline stage)."""
+    from nsa.model.compression import BlockCompressor
+
+    torch.manual_seed(0)
+    ref = BlockCompressor(64, 32, 16, "mlp", 128, backend="reference").cuda().double()
+    for w in (ref.pos, ref.fc1.weight, ref.fc2.weight):
+        torch.nn.init.normal_(w, std=0.05)
+    fast = BlockCompressor(64, 32, 16, "mlp", 128, backend="triton").cuda()
+    fast.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    x64 = torch.randn(2, 2081, 2, 64, device="cuda", dtype=torch.float64).requires_grad_()
+    x = x64.detach().float().requires_grad_()
+    with tf32_matmuls(False):
+        got = fast(x)
+        w = torch.randn_like(got)
+        got_grads = torch.autograd.grad((got * w).sum(), [x, fast.pos, fast.fc1.weight, fast.fc2.weight])
+    want = ref(x64)
+    want_grads = torch.autograd.grad((want * w.double()).sum(), [x64, ref.pos, ref.fc1.weight, ref.fc2.weight])
+    assert rel_err(got, want) < 1e-4, rel_err(got, want)
+    for name, g, r in zip(("x", "pos", "fc1", "fc2"), got_grads, want_grads):
+        assert rel_err(g, r) < 1e-4, (name, rel_err(g, r))
+
+
 def document_lengths(total, longest, seed):
     """Lengths drawn between 1 and `longest` tokens, summing to total, then two empty padding documents."""
     return drawn_lengths(total, longest, seed) + [0, 0]

@@ -312,6 +312,8 @@ def tile_sizes(q: torch.Tensor, dk: int, dv: int, kernel: str = "fwd") -> dict:
     dK/dV: row step x keys). Under the CPU interpreter the smallest: there the cost is per program and operation."""
     if q.device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
+    if ieee_products(q):
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
     wide = max(dk, dv) > 64
     if kernel == "dkdv":
         return dict(BLOCK_M=TUNING.dkdv_block_m_wide if wide else TUNING.dkdv_block_m, BLOCK_N=TUNING.dkdv_block_n,
@@ -363,6 +365,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     setting = getattr(matmul, "fp32_precision", None)
     allowed = matmul.allow_tf32 if setting is None else setting == "tf32"
     return "tf32" if allowed else "ieee"
+
+
+def ieee_products(x: torch.Tensor) -> bool:
+    """Whether kernels on x multiply in IEEE float32 on a GPU (float32 inputs, TF32 not allowed). Triton runs those
+    products as FMA loops with both operands in registers: at the 16-bit tiles they spill kilobytes a thread, so
+    their launches take smaller tiles on 8 warps and one pipeline stage (docs/kernels.md#precision)."""
+    return x.is_cuda and dot_precision(x.dtype) == "ieee"
 
 
 def num_sms(device: torch.device) -> int:

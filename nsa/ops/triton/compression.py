@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..packing import CompressionLayout
 from ..tuning import TUNING
-from .common import deterministic, dot_precision, dot_width, eager_call, num_sms
+from .common import deterministic, dot_precision, dot_width, eager_call, ieee_products, num_sms
 
 
 def phi_mlp_supports(block_len: int, block_stride: int) -> bool:
@@ -271,8 +271,13 @@ def _phi_bwd_w1_kernel(DH, X0, X1, POS0, POS1, W1_0, W1_1, DH_SUM, DW1, DPOS, RO
         tl.store(DPOS + which * (L * D) + j * D + d, tl.sum(dh_sum[:, None] * w1, 0), mask=d_ok)
 
 
+def _warps(x: Tensor) -> int:
+    return 8 if ieee_products(x) else TUNING.phi_warps  # IEEE products: 8 warps spread the operands (ieee_products)
+
+
 def _launch_shape(x: Tensor, hidden: int) -> tuple[int, int, int]:
-    block_m = TUNING.phi_block_m if x.is_cuda else 16  # several programs in CPU tests too
+    # Several programs in CPU tests too; IEEE float32 products take small tiles (ieee_products).
+    block_m = TUNING.phi_block_m if x.is_cuda and not ieee_products(x) else 16
     return block_m, dot_width(x.shape[-1]), dot_width(hidden)
 
 
@@ -295,7 +300,7 @@ def _phi_forward_stages(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0
     _phi_fwd_kernel[grid](x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid, row_start,
                           *x0.stride()[:3], *x1.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len, D=D,
                           H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, PACKED=row_start is not None,
-                          DOT_PRECISION=dot_precision(x0.dtype), num_warps=TUNING.phi_warps)
+                          DOT_PRECISION=dot_precision(x0.dtype), num_warps=_warps(x0))
     return out, hid
 
 
@@ -361,7 +366,7 @@ def _phi_backward_stages(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1:
     _phi_bwd_rows_kernel[(row_programs, sets)](dy, hid, w2_0, w2_1, dh, dh_sums, dw2, row_start, n_rows, w2_slots, T,
                                                n_blocks, G, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
                                                BLOCK_M=block_m, ATOMIC=atomic, PACKED=packed, DOT_PRECISION=precision,
-                                               num_warps=TUNING.phi_warps)
+                                               num_warps=_warps(x0))
     dx0 = torch.empty_like(x0)
     dx1 = torch.empty_like(x1) if sets == 2 else x0.new_empty(0)
     # Chunks of d tokens: the stream's, or with packed documents each document's (chunk_start).
@@ -371,13 +376,16 @@ def _phi_backward_stages(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1:
                                  chunk_start, doc_start, doc_end, cmp_start, *dx0.stride()[:3], B, T, n_blocks,
                                  n_chunks, G, block_stride, L=block_len, R=block_len // block_stride, D=D, H=H,
                                  BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_C=block_m, PACKED=packed,
-                                 DOT_PRECISION=precision, num_warps=TUNING.phi_warps)
+                                 DOT_PRECISION=precision, num_warps=_warps(x0),
+                                 # float32 tiles in Triton's 3 pipeline stages overrun sm_90's shared memory
+                                 # (benchmarks/offline_compile.py --float32); 16-bit ones keep the default.
+                                 num_stages=1 if x0.element_size() == 4 else 3)
     _phi_bwd_w1_kernel[(block_len, splits, sets)](dh, x0, x1, pos0, pos1, w1_0, w1_1, dh_sums, dw1, dpos, row_start,
                                                   *x0.stride()[:3], *x1.stride()[:3], n_rows,
                                                   triton.cdiv(n_rows, splits), row_programs, T, n_blocks, G,
                                                   block_stride, L=block_len, D=D, H=H, BLOCK_D=block_d,
                                                   BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic, PACKED=packed,
-                                                  DOT_PRECISION=precision, num_warps=TUNING.phi_warps)
+                                                  DOT_PRECISION=precision, num_warps=_warps(x0))
     dw1, dw2 = (g[:, 0] if g.shape[1] == 1 else g.sum(1) for g in (dw1, dw2))
     return dx0, dx1, *(g.to(w.dtype) for g, w in ((dpos, pos0), (dw1, w1_0), (dw2, w2_0)))
 

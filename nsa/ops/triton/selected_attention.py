@@ -30,8 +30,8 @@ import triton.language as tl
 
 from ..packing import PackedLayout
 from ..tuning import TUNING
-from .common import (LOG2E, dot_precision, head_dims, load_grad_rows, load_tile, lower_bound, softmax_finish,
-                     softmax_step, store_tile)
+from .common import (LOG2E, dot_precision, head_dims, ieee_products, load_grad_rows, load_tile, lower_bound,
+                     softmax_finish, softmax_step, store_tile)
 
 
 @triton.jit
@@ -451,6 +451,8 @@ def num_block_keys(T: int, sel_block: int, layout: PackedLayout | None = None) -
 def _item_launch(q: torch.Tensor, dv: int) -> dict:
     if q.device.type != "cuda":
         return dict(BLOCK_R=16, num_warps=1)
+    if ieee_products(q):
+        return dict(BLOCK_R=16, num_warps=8, num_stages=1)
     if max(q.shape[-1], dv) > 64:
         return dict(BLOCK_R=TUNING.sel_block_r_wide, num_warps=TUNING.sel_warps_wide)
     return dict(BLOCK_R=TUNING.sel_block_r, num_warps=TUNING.sel_warps)

@@ -25,7 +25,7 @@ import triton.language as tl
 from ..geometry import NSAGeometry
 from ..packing import PackedLayout
 from ..tuning import TUNING
-from .common import LOG2E, dot_precision, merge_top, overlap
+from .common import LOG2E, dot_precision, ieee_products, merge_top, overlap
 
 
 @triton.jit
@@ -315,6 +315,9 @@ def scoring_launch(q: torch.Tensor, groups: int, geometry: NSAGeometry) -> tuple
     hp = triton.next_power_of_2(h)
     on_gpu = q.device.type == "cuda"
     block_t = TUNING.select_block_t if on_gpu else 16
+    ieee = ieee_products(q)
+    if ieee:  # at most 32 (token, head) rows: IEEE products hold their operands in registers (ieee_products)
+        block_t = max(1, 32 // hp)
     trans = block_t * hp <= TUNING.select_transposed_max_rows
     # Transposed, the heads split into a power of two and a padded rest (h = 6: 4 + 2); untransposed they stay one
     # padded set (the paper's h = 16 is a power of two either way).
@@ -327,8 +330,8 @@ def scoring_launch(q: torch.Tensor, groups: int, geometry: NSAGeometry) -> tuple
     return chunk_tokens, dict(
         DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
         HA=ha, HB=hb, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=(TUNING.select_warps if block_t * hp <= 128 else max(8, TUNING.select_warps)) if on_gpu else 1,
-        num_stages=1 if Dk > 128 else 2,  # head dim 192: the q tile alone is 128 KB
+        num_warps=(8 if ieee or block_t * hp > 128 else TUNING.select_warps) if on_gpu else 1,
+        num_stages=1 if Dk > 128 or ieee else 2,  # head dim 192: the q tile alone is 128 KB
     )
 
 
