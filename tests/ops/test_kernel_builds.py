@@ -34,17 +34,23 @@ def test_offline_compile_builds_every_listed_kernel_for_sm90():
     assert len(fences) == len(reports) and set(fences) == {"0"}, out.stdout
 
 
-def _assert_built(check: str, cases: int) -> list[str]:
-    """Run `check` (a script printing one report line per compiled case: `... True registers ...`) in a fresh
-    interpreter without TRITON_INTERPRET (the compile needs the real backend) and assert each case built for sm_90
-    with its expected instructions and no local-memory traffic; returns the report lines."""
+def _run_check(check: str, cases: int) -> list[str]:
+    """Run `check` (a script printing one report line per compiled case, `... True registers ...` where the case
+    holds) in a fresh interpreter without TRITON_INTERPRET (the compile needs the real backend); assert it printed
+    `cases` lines, each True, and return them."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
                          cwd=BENCHMARKS.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().split("\n")
     assert len(lines) == cases and all(" True registers " in line for line in lines), out.stdout
-    assert all(" spill stack 0 B " in line for line in lines), out.stdout
+    return lines
+
+
+def _assert_built(check: str, cases: int) -> list[str]:
+    """_run_check, and every case without local-memory traffic."""
+    lines = _run_check(check, cases)
+    assert all(" spill stack 0 B " in line for line in lines), "\n".join(lines)
     return lines
 
 
@@ -213,9 +219,4 @@ def test_float32_launches_with_ieee_products_build_without_heavy_spills():
         "    ok = int(re.search(r'spill stack (\\d+)', r).group(1)) < 2048 and c.metadata.shared <= oc.SM90_SHARED_BYTES\n"
         "    print(name, ok, r)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=BENCHMARKS.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().split("\n")
-    assert len(lines) == 2 and all(" True " in line for line in lines), out.stdout
+    _run_check(check, 2)
