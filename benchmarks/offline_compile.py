@@ -142,6 +142,13 @@ def float32_precision_without_tf32() -> str:
         matmul.fp32_precision = before
 
 
+def _constant(text: str) -> bool | int | str:
+    """A NAME=VALUE override's value: True/False, an integer, or a string (e.g. DOT_PRECISION=tf32)."""
+    if text in ("True", "False"):
+        return text == "True"
+    return int(text) if re.fullmatch(r"-?[0-9]+", text) else text
+
+
 def compile_kernel(name: str, overrides: dict, warps: int, stages: int, float32: bool = False):
     kernel, consts, pointers, floats = KERNELS[name]
     names = list(kernel.arg_names)
@@ -216,7 +223,7 @@ def main() -> None:
         key, _, value = item.partition("=")
         if not value:
             raise SystemExit(f"offline_compile: expected NAME=VALUE, got {item!r}")
-        overrides[key] = {"True": True, "False": False}.get(value) if value in ("True", "False") else int(value)
+        overrides[key] = _constant(value)
     for name in KERNELS if args.kernel == "all" else [args.kernel]:
         print(name, f"warps {args.warps}", *args.overrides, "float32" if args.float32 else "", "\n  " + report(
             compile_kernel(name, overrides, args.warps, args.stages, args.float32)), flush=True)

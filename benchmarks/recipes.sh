@@ -19,8 +19,9 @@
 #   --attention LIST    the models, comma-separated (default nsa,dense)
 #   --stages SPEC       the retrieval curriculum: each stage SEQxBATCH (tokens x sequences), +LENGTH for each
 #                       length drawn per step besides SEQ (data.retrieval.mix_lengths), :STEPS
-#                       (default 256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4+32768+65536:1000,
-#                        16384x4+4096+8192+32768+65536:600)
+#                       (default 256x256:400,1024x64:400,4096x16:300,8192x8:300,
+#                        16384x4+32768+65536+65536+65536+65536:1000,
+#                        16384x4+4096+8192+32768+65536+65536+65536+65536+65536+65536:600)
 #   --extend STEPS      retrieval steps after the curriculum (default 300; 0: none)
 #   --eval-lengths L,.. and --eval-samples N: the retrieval evaluation's grid (nsa eval's --lengths, --samples)
 #   --eval-tasks LIST   the retrieval tasks evaluated (nsa eval's --tasks; default passkey; kv needs runs trained
@@ -36,7 +37,9 @@ if [[ $# -lt 2 || ! $1 =~ ^(learn|retrieval)$ || $2 == -* ]]; then echo "$usage"
 recipe=$1 out_arg=$2
 shift 2
 seeds=1 first_seed=1337 attention=nsa,dense extend=300 eval_args=() eval_tasks=passkey overrides=()
-stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4+32768+65536:1000,16384x4+4096+8192+32768+65536:600
+# 64k four (then six) times in the mixed stages' draws: configs/recipes/retrieval.yaml says why.
+stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4+32768+65536+65536+65536+65536:1000
+stages+=,16384x4+4096+8192+32768+65536+65536+65536+65536+65536+65536:600
 while [[ $# -gt 0 ]]; do
   case $1 in
     --seeds|--first-seed|--attention|--stages|--extend|--eval-lengths|--eval-samples|--eval-tasks)

@@ -454,6 +454,8 @@ def _item_launch(q: torch.Tensor, dv: int) -> dict:
     if ieee_products(q):
         return dict(BLOCK_R=16, num_warps=8, num_stages=1)
     if max(q.shape[-1], dv) > 64:
+        if q.element_size() == 4:  # TF32: 128 rows of 32-bit tiles at head dim 128 exceed sm_90's shared memory
+            return dict(BLOCK_R=32, num_warps=8)
         return dict(BLOCK_R=TUNING.sel_block_r_wide, num_warps=TUNING.sel_warps_wide)
     return dict(BLOCK_R=TUNING.sel_block_r, num_warps=TUNING.sel_warps)
 

@@ -1,0 +1,123 @@
+"""Where the host's time in one eager NSA attention call goes (CUDA): each Triton kernel's launches per call and host
+microseconds per launch, the share of the call they take, and a cProfile of everything, for an inference forward
+(no grad), a training forward and a forward+backward.
+
+    python benchmarks/host_profile.py OUT_DIR [--shape m7c|paper] [--length T] [--calls N]
+
+Writes OUT_DIR/host_profile.txt (and prints it). `nsa bench attention` reports the host time per call; this says
+what it is made of, so that fewer or cheaper launches can be aimed at the right places.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.runtime.jit import JITFunction
+
+from nsa.bench.attention import GEOMETRY, SHAPES, make_inputs
+from nsa.ops import nsa_attention
+
+
+class LaunchTimer:
+    """Wraps JITFunction.run (every Triton and Gluon launch) to add up host seconds and counts per kernel."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter = collections.Counter()
+        self.counts: collections.Counter = collections.Counter()
+        self._run = JITFunction.run
+        timer = self
+
+        def timed_run(fn_self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return timer._run(fn_self, *args, **kwargs)
+            finally:
+                name = fn_self.fn.__name__
+                timer.seconds[name] += time.perf_counter() - start
+                timer.counts[name] += 1
+
+        JITFunction.run = timed_run
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.counts.clear()
+
+
+def profile_call(name: str, call, calls: int, timer: LaunchTimer) -> str:
+    """The report of `calls` eager calls of `call` (after three warm-up calls)."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    timer.reset()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host_ms = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    launches = sum(timer.counts.values()) / calls
+    launch_ms = sum(timer.seconds.values()) / calls * 1e3
+    lines = [f"== {name}: host {host_ms:.3f} ms a call; {launches:.0f} Triton launches taking {launch_ms:.3f} ms "
+             f"({launch_ms / host_ms:.0%})", f"{'kernel':<34} {'launches/call':>13} {'us/launch':>10}"]
+    for kernel, seconds in timer.seconds.most_common():
+        count = timer.counts[kernel]
+        lines.append(f"{kernel:<34} {count / calls:>13.1f} {seconds / count * 1e6:>10.1f}")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    lines.append(f"cProfile of {calls} calls, by own time:")
+    lines.append(text.getvalue().split("\n\n", 1)[-1].strip())
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="m7c")
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--calls", type=int, default=50)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_profile.py: needs a CUDA GPU (it times kernel launches)", file=sys.stderr)
+        return 2
+    H, G, Dk, Dv = SHAPES[args.shape]
+    ins = make_inputs(args.length, H, G, Dk, Dv)
+    do = torch.randn(1, args.length, H, Dv, device="cuda", dtype=torch.bfloat16)
+
+    def forward():
+        return nsa_attention(*ins, geometry=GEOMETRY)
+
+    def inference():
+        with torch.no_grad():
+            return forward()
+
+    def forward_backward():
+        for t in ins:
+            t.grad = None
+        forward().backward(do)
+
+    timer = LaunchTimer()
+    reports = [f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.shape} {H}/{G}/{Dk}  T={args.length}"]
+    for name, call in (("forward, no grad", inference), ("forward", forward), ("forward+backward", forward_backward)):
+        reports.append(profile_call(name, call, args.calls, timer))
+    text = "\n\n".join(reports)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "host_profile.txt").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
