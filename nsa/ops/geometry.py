@@ -8,7 +8,7 @@ checked once, when it is built; the functions below are the single source of the
 from __future__ import annotations
 
 import operator
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -51,8 +51,9 @@ class NSAGeometry:
             raise ValueError(f"n_sel must be >= 3 to hold the three forced blocks, got {self.n_sel}")
 
     def as_tuple(self) -> tuple[int, int, int, int, int]:
-        """(block_len, block_stride, sel_block, n_sel, window): the form custom ops take (no dataclass arguments)."""
-        return astuple(self)
+        """(block_len, block_stride, sel_block, n_sel, window): the form custom ops take (no dataclass arguments).
+        Spelled out: dataclasses.astuple deep-copies each field, a cost on every eager call."""
+        return self.block_len, self.block_stride, self.sel_block, self.n_sel, self.window
 
     def num_compressed_blocks(self, seq_len: int) -> int:
         """Nc for a sequence of seq_len tokens."""

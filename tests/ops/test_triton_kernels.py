@@ -601,3 +601,16 @@ def test_small_span_calls_stay_on_triton_below_the_gluon_threshold(gluon_binds, 
     monkeypatch.setattr(tuning.TUNING, "gluon_span_min_elements", q.numel())
     dispatch.span_forward(q, k, v, MODE_WIN, 0.25, geometry)
     assert gluon_binds == ["_span_forward_kernel"]
+
+
+def test_launchers_integer_helpers_agree_with_tritons():
+    # The launchers' ceil_div / next_power_of_two stand in for triton.cdiv / triton.next_power_of_2 (constexpr
+    # functions, slow on the host); every grid and tile width depends on them agreeing.
+    import triton
+
+    from nsa.ops.triton.common import ceil_div, next_power_of_two
+    for n in range(0, 1100):
+        assert next_power_of_two(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 1024):
+            assert ceil_div(n, d) == triton.cdiv(n, d), (n, d)
+    assert next_power_of_two(2**40 + 1) == 2**41

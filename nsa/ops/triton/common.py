@@ -307,6 +307,17 @@ def lower_bound(SORTED, size, key, STEPS: tl.constexpr):
 # ---------------------------------------------------------------- launch
 
 
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) of non-negative integers, for launchers. triton.cdiv and triton.next_power_of_2 are constexpr
+    functions: each host call goes through their argument unwrapping, tens of them a call of nsa_attention."""
+    return -(-a // b)
+
+
+def next_power_of_two(n: int) -> int:
+    """The least power of two >= n (0 for n = 0, as triton.next_power_of_2), for launchers (ceil_div says why)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def tile_sizes(q: torch.Tensor, dk: int, dv: int, kernel: str = "fwd") -> dict:
     """Tile sizes of the span forward ('fwd'), dQ ('dq') or span dK/dV ('dkdv') kernel (query rows x key step;
     dK/dV: row step x keys). Under the CPU interpreter the smallest: there the cost is per program and operation."""
@@ -333,7 +344,7 @@ def one_block(mode: int, sel_block: int, block_n: int, layout: PackedLayout | No
 
 def dot_width(n: int) -> int:
     """The power-of-two tile width that holds n columns (at least 16, tl.dot's least)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_two(n))
 
 
 def head_dims(dk: int, dv: int) -> dict:

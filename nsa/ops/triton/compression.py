@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..packing import CompressionLayout
 from ..tuning import TUNING
-from .common import deterministic, dot_precision, dot_width, eager_call, ieee_products, num_sms
+from .common import ceil_div, deterministic, dot_precision, dot_width, eager_call, ieee_products, num_sms
 
 
 def phi_mlp_supports(block_len: int, block_stride: int) -> bool:
@@ -296,7 +296,7 @@ def _phi_forward_stages(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0
     out = x0.new_empty(sets, B, n_blocks, G, D)
     hid = x0.new_empty(sets, B, n_blocks, G, H, dtype=torch.float32)
     block_m, block_d, block_h = _launch_shape(x0, H)
-    grid = (triton.cdiv(n_blocks, block_m), B * G, sets)
+    grid = (ceil_div(n_blocks, block_m), B * G, sets)
     _phi_fwd_kernel[grid](x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid, row_start,
                           *x0.stride()[:3], *x1.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len, D=D,
                           H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, PACKED=row_start is not None,
@@ -334,9 +334,9 @@ def _(x0, x1, pos0, pos1, w1_0, w1_1, w2_0, w2_1, row_start, chunk_start, doc_st
 def _splits(n_rows: int, block_len: int, sets: int, x: Tensor) -> int:
     """Row splits of fc1's weight gradient: enough programs for every SM, each at least phi_w1_rows rows."""
     if not x.is_cuda:
-        return min(4, triton.cdiv(n_rows, 16))  # several splits in CPU tests
+        return min(4, ceil_div(n_rows, 16))  # several splits in CPU tests
     programs = 2 * num_sms(x.device)
-    return max(1, min(triton.cdiv(programs, block_len * sets), triton.cdiv(n_rows, TUNING.phi_w1_rows)))
+    return max(1, min(ceil_div(programs, block_len * sets), ceil_div(n_rows, TUNING.phi_w1_rows)))
 
 
 def _phi_backward_stages(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0: Tensor,
@@ -352,7 +352,7 @@ def _phi_backward_stages(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1:
     packed = row_start is not None
     precision = dot_precision(x0.dtype)
     block_m, block_d, block_h = _launch_shape(x0, H)
-    row_programs = triton.cdiv(n_rows, block_m)
+    row_programs = ceil_div(n_rows, block_m)
     splits = _splits(n_rows, block_len, sets, x0)
     # The weight gradients' partial sums: float32 atomics add them in no fixed order; deterministic mode writes
     # one slice per program and sums them in order.
@@ -370,8 +370,8 @@ def _phi_backward_stages(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1:
     dx0 = torch.empty_like(x0)
     dx1 = torch.empty_like(x1) if sets == 2 else x0.new_empty(0)
     # Chunks of d tokens: the stream's, or with packed documents each document's (chunk_start).
-    n_chunks = chunk_start.numel() if packed else triton.cdiv(T, block_stride)
-    grid = (triton.cdiv(n_chunks, block_m), B * G, sets)
+    n_chunks = chunk_start.numel() if packed else ceil_div(T, block_stride)
+    grid = (ceil_div(n_chunks, block_m), B * G, sets)
     _phi_bwd_tokens_kernel[grid](dh, dy, w1_0.to(x0.dtype), w1_1.to(x0.dtype), dx0, dx1 if sets == 2 else dx0,
                                  chunk_start, doc_start, doc_end, cmp_start, *dx0.stride()[:3], B, T, n_blocks,
                                  n_chunks, G, block_stride, L=block_len, R=block_len // block_stride, D=D, H=H,
@@ -382,7 +382,7 @@ def _phi_backward_stages(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1:
                                  num_stages=1 if x0.element_size() == 4 else 3)
     _phi_bwd_w1_kernel[(block_len, splits, sets)](dh, x0, x1, pos0, pos1, w1_0, w1_1, dh_sums, dw1, dpos, row_start,
                                                   *x0.stride()[:3], *x1.stride()[:3], n_rows,
-                                                  triton.cdiv(n_rows, splits), row_programs, T, n_blocks, G,
+                                                  ceil_div(n_rows, splits), row_programs, T, n_blocks, G,
                                                   block_stride, L=block_len, D=D, H=H, BLOCK_D=block_d,
                                                   BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic, PACKED=packed,
                                                   DOT_PRECISION=precision, num_warps=_warps(x0))

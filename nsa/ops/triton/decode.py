@@ -34,7 +34,8 @@ import triton.language as tl
 
 from ..geometry import NSAGeometry
 from ..tuning import TUNING
-from .common import LOG2E, dot_precision, load_tile, merge_partials, merge_top, num_sms, overlap, store_tile
+from .common import (LOG2E, ceil_div, dot_precision, load_tile, merge_partials, merge_top, next_power_of_two, num_sms,
+                     overlap, store_tile)
 from .selection import stencil_rank
 
 
@@ -355,7 +356,7 @@ def _chunks_per_program(n_chunks: int, programs: int, device: torch.device) -> i
         return 2
     target = TUNING.decode_chunk_programs_per_sm * num_sms(device)
     cpp = 1
-    while cpp < 8 and triton.cdiv(n_chunks, 2 * cpp) * programs >= target:
+    while cpp < 8 and ceil_div(n_chunks, 2 * cpp) * programs >= target:
         cpp *= 2
     return cpp
 
@@ -377,14 +378,14 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     # One set of strides serves keys and values (the cache allocates them alike).
     assert k_sel.stride() == v_sel.stride() and k_win.stride() == v_win.stride() and k_cmp.stride() == v_cmp.stride()
     # A chunk's K blocks must hold the top n_sel, and a compressed token must not reach past the next chunk.
-    K = max(16, triton.next_power_of_2(n_sel), triton.next_power_of_2(-(-block_len // sel_block) + 1))
+    K = max(16, next_power_of_two(n_sel), next_power_of_two(-(-block_len // sel_block) + 1))
     chunk_tokens = K * sel_block // block_stride
-    n_chunks = triton.cdiv(triton.cdiv(L, sel_block), K)
-    HP = max(16, triton.next_power_of_2(h))
-    BLOCK_N = max(16, triton.next_power_of_2(sel_block))  # a chosen block is one tile; so is a piece of window
-    n_parts = n_sel + triton.cdiv(min(window, L), BLOCK_N)  # window tiles start at max(t - w + 1, 0)
-    dims = dict(DK=Dk, DV=Dv, BLOCK_DK=max(16, triton.next_power_of_2(Dk)),
-                BLOCK_DV=max(16, triton.next_power_of_2(Dv)))
+    n_chunks = ceil_div(ceil_div(L, sel_block), K)
+    HP = max(16, next_power_of_two(h))
+    BLOCK_N = max(16, next_power_of_two(sel_block))  # a chosen block is one tile; so is a piece of window
+    n_parts = n_sel + ceil_div(min(window, L), BLOCK_N)  # window tiles start at max(t - w + 1, 0)
+    dims = dict(DK=Dk, DV=Dv, BLOCK_DK=max(16, next_power_of_two(Dk)),
+                BLOCK_DV=max(16, next_power_of_two(Dv)))
     f32 = dict(device=q.device, dtype=torch.float32)
     bg = B * G
     pm, pl = torch.empty(bg, n_chunks, HP, **f32), torch.empty(bg, n_chunks, HP, **f32)
@@ -405,21 +406,21 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
 
     R = stencil_rank(block_len, block_stride, sel_block)
     cpp = _chunks_per_program(n_chunks, bg, q.device)
-    _chunk_kernel[(triton.cdiv(n_chunks, cpp), bg)](
+    _chunk_kernel[(ceil_div(n_chunks, cpp), bg)](
         q, k_cmp, v_cmp, n_cmp, pm, pl, pacc, psc, q.stride(0), q.stride(1),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         G, h, n_chunks, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
-        **dims, HP=HP, K=K, C=max(16, triton.next_power_of_2(chunk_tokens)), R=R, CPP=cpp,
+        **dims, HP=HP, K=K, C=max(16, next_power_of_two(chunk_tokens)), R=R, CPP=cpp,
         STAGES=TUNING.decode_chunk_stages, DOT_PRECISION=precision, **warps)
     CT = 8  # chunks per ranking tile
-    n_groups = triton.cdiv(n_chunks, CT)
+    n_groups = ceil_div(n_chunks, CT)
     if n_groups > 1:
         part = torch.empty(bg, n_groups, K, device=q.device, dtype=torch.int64)
         gm, gl = torch.empty(bg, n_groups, HP, **f32), torch.empty(bg, n_groups, HP, **f32)
         gacc = torch.empty(bg, n_groups, HP, dims["BLOCK_DV"], **f32)
         _select_part_kernel[(n_groups, bg)](
             pm, pl, pacc, psc, positions, part, gm, gl, gacc, G, h, n_chunks, n_groups, sel_block, HP=HP,
-            BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=CT, PTS=min(64, triton.next_power_of_2(n_chunks)),
+            BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=CT, PTS=min(64, next_power_of_two(n_chunks)),
             **rank_warps)
         _select_merge_kernel[(bg,)](
             gm, gl, gacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, h, n_groups,
@@ -437,6 +438,6 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     _combine_kernel[(bg, dims["BLOCK_DV"] // dvt)](
         gates, n_cmp, ocmp, sm, sl, sacc, sreads, o, reads, gates.stride(0), gates.stride(1), gates.stride(2),
         o.stride(0), o.stride(1), G, h, n_parts, n_sel, DV=Dv, BLOCK_DV=dims["BLOCK_DV"], HP=HP,
-        PS=triton.next_power_of_2(n_sel), PW=triton.next_power_of_2(n_parts - n_sel), DVT=dvt,
-        NPP=triton.next_power_of_2(n_parts), **warps)
+        PS=next_power_of_two(n_sel), PW=next_power_of_two(n_parts - n_sel), DVT=dvt,
+        NPP=next_power_of_two(n_parts), **warps)
     return o, reads

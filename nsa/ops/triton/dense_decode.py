@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..tuning import TUNING
-from .common import LOG2E, dot_precision, load_tile, merge_partials
+from .common import LOG2E, ceil_div, dot_precision, load_tile, merge_partials, next_power_of_two
 
 _BLOCK_N = 64  # keys a step inside a split
 
@@ -92,9 +92,9 @@ def dense_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     split = TUNING.dense_decode_split
     if split % _BLOCK_N:
         raise ValueError(f"TUNING.dense_decode_split must be a multiple of {_BLOCK_N}, got {split}")
-    n_splits = triton.cdiv(L, split)
-    HP = max(16, triton.next_power_of_2(h))
-    BLOCK_DK, BLOCK_DV = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
+    n_splits = ceil_div(L, split)
+    HP = max(16, next_power_of_two(h))
+    BLOCK_DK, BLOCK_DV = max(16, next_power_of_two(Dk)), max(16, next_power_of_two(Dv))
     f32 = dict(device=q.device, dtype=torch.float32)
     pm, pl = torch.empty(B * G, n_splits, HP, **f32), torch.empty(B * G, n_splits, HP, **f32)
     pacc = torch.empty(B * G, n_splits, HP, BLOCK_DV, **f32)
@@ -107,5 +107,5 @@ def dense_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     dvt = min(BLOCK_DV, 32)
     _merge_kernel[(B * G, BLOCK_DV // dvt)](
         pm, pl, pacc, o, o.stride(0), o.stride(1), G, h, n_splits, DV=Dv, BLOCK_DV=BLOCK_DV, HP=HP,
-        PT=min(16, triton.next_power_of_2(n_splits)), DVT=dvt, **warps)
+        PT=min(16, next_power_of_two(n_splits)), DVT=dvt, **warps)
     return o

@@ -29,8 +29,8 @@ from ..branches import MODE_SEL, SEL_PARTS, SEL_TILED, SelectedDQ
 from ..geometry import NSAGeometry
 from ..packing import PackedLayout
 from ..tuning import TUNING
-from .common import (LOG2E, dot_precision, head_dims, key_plan, key_step, load_tile, one_block, picked, picked_rows,
-                     program_rows, store_tile, tile_sizes, visible)
+from .common import (LOG2E, ceil_div, dot_precision, head_dims, key_plan, key_step, load_tile, next_power_of_two,
+                     one_block, picked, picked_rows, program_rows, store_tile, tile_sizes, visible)
 
 
 @triton.jit
@@ -162,7 +162,7 @@ def launch(q: torch.Tensor, do: torch.Tensor, dq: torch.Tensor, lse_g: torch.Ten
     cfg = tile_sizes(q, Dk, Dv, "dq")
     if sel.kind == SEL_TILED and q.device.type == "cuda" and max(Dk, Dv) <= 64:
         cfg["BLOCK_N"] = TUNING.dq_block_n_tiled
-    _query_grad_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
+    _query_grad_kernel[(ceil_div(T * h, cfg["BLOCK_M"]), B * G)](
         q, do, dq, lse_g[0], delta[0], lse_g[1], delta[1], lse_g[2], delta[2], kc, vc, ks, vs, kw, vw, choice,
         sel.parts if sel.parts is not None else q, sel.dq if sel.dq is not None else q,
         *((layout.doc_start, layout.cmp_start) if layout is not None else (None, None)),
@@ -171,7 +171,7 @@ def launch(q: torch.Tensor, do: torch.Tensor, dq: torch.Tensor, lse_g: torch.Ten
         *_strides3(sel.choice), *_strides3(sel.dq),
         T, kc.shape[1] if cmp is not None else 0, G, h, n, scale * LOG2E, scale, geometry.block_len,
         geometry.block_stride, geometry.window, geometry.sel_block, HAS_CMP=cmp is not None, HAS_WIN=win is not None,
-        SEL=sel.kind, NP=triton.next_power_of_2(n),
+        SEL=sel.kind, NP=next_power_of_two(n),
         ONE_BLOCK=one_block(MODE_SEL, geometry.sel_block, cfg["BLOCK_N"], layout), PACKED=layout is not None,
         DOT_PRECISION=dot_precision(q.dtype), **head_dims(Dk, Dv), **cfg,
     )

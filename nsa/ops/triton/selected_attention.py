@@ -30,8 +30,8 @@ import triton.language as tl
 
 from ..packing import PackedLayout
 from ..tuning import TUNING
-from .common import (LOG2E, dot_precision, head_dims, ieee_products, load_grad_rows, load_tile, lower_bound,
-                     softmax_finish, softmax_step, store_tile)
+from .common import (LOG2E, ceil_div, dot_precision, head_dims, ieee_products, load_grad_rows, load_tile, lower_bound,
+                     next_power_of_two, softmax_finish, softmax_step, store_tile)
 
 
 @triton.jit
@@ -463,12 +463,12 @@ def _item_launch(q: torch.Tensor, dv: int) -> dict:
 def block_tile(sel_block: int) -> dict:
     """The block-centric kernels' key tile: the block (FULL) or, for a block size that is not a power of two,
     the next one up (whose extra keys every row masks)."""
-    block_l = max(16, triton.next_power_of_2(sel_block))
+    block_l = max(16, next_power_of_two(sel_block))
     return dict(BLOCK_L=block_l, FULL=block_l == sel_block)
 
 
 def _token_launch(q: torch.Tensor, h: int, sel_block: int) -> dict:
-    launch = dict(HP=max(16, triton.next_power_of_2(h)), BLOCK_L=max(16, triton.next_power_of_2(sel_block)))
+    launch = dict(HP=max(16, next_power_of_two(h)), BLOCK_L=max(16, next_power_of_two(sel_block)))
     return launch | (dict(num_warps=TUNING.token_warps) if q.device.type == "cuda" else dict(num_warps=1))
 
 
@@ -516,11 +516,11 @@ def finalize(opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel, me
     G, n = indices.shape[2], indices.shape[-1]
     h = H // G
     cfg = _row_launch(o)
-    _finalize_kernel[(triton.cdiv(T * h, cfg["BLOCK_M"]), B * G)](
+    _finalize_kernel[(ceil_div(T * h, cfg["BLOCK_M"]), B * G)](
         opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel,
         *indices.stride()[:3], *o.stride()[:3], *gates.stride()[:3], *lse_sel.stride()[:2],
-        T, G, h, n, MERGE=merge, DV=Dv, BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
-        NP=triton.next_power_of_2(n), **cfg,
+        T, G, h, n, MERGE=merge, DV=Dv, BLOCK_DV=max(16, next_power_of_two(Dv)),
+        NP=next_power_of_two(n), **cfg,
     )
 
 
@@ -555,7 +555,7 @@ def sum_item_partials(part: torch.Tensor, item_key: torch.Tensor, out: torch.Ten
     n_items = item_key.numel()
     _sum_item_partials_kernel[(B * G * NS, -(-block_l // rows))](
         part, item_key, out, *_block_tables(layout), out.stride(0), out.stride(1), out.stride(2), n_items, T, G, NS,
-        sel_block, D=D, BLOCK_L=block_l, ROWS=rows, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        sel_block, D=D, BLOCK_L=block_l, ROWS=rows, BLOCK_D=max(16, next_power_of_two(D)),
         STEPS=max(1, n_items.bit_length()), PACKED=layout is not None, num_warps=4 if out.is_cuda else 1)
 
 

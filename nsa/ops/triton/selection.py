@@ -25,7 +25,7 @@ import triton.language as tl
 from ..geometry import NSAGeometry
 from ..packing import PackedLayout
 from ..tuning import TUNING
-from .common import LOG2E, dot_precision, ieee_products, merge_top, overlap
+from .common import LOG2E, ceil_div, dot_precision, ieee_products, merge_top, next_power_of_two, overlap
 
 
 @triton.jit
@@ -310,9 +310,9 @@ def scoring_launch(q: torch.Tensor, groups: int, geometry: NSAGeometry) -> tuple
     block_len, block_stride, sel_block, n_sel, _ = geometry.as_tuple()
     h = q.shape[2] // groups
     # The running list must hold n and each chunk must contain every block a compressed token reaches into.
-    K = max(16, triton.next_power_of_2(n_sel), triton.next_power_of_2(-(-block_len // sel_block) + 1))
+    K = max(16, next_power_of_two(n_sel), next_power_of_two(-(-block_len // sel_block) + 1))
     chunk_tokens = K * sel_block // block_stride
-    hp = triton.next_power_of_2(h)
+    hp = next_power_of_two(h)
     on_gpu = q.device.type == "cuda"
     block_t = TUNING.select_block_t if on_gpu else 16
     ieee = ieee_products(q)
@@ -322,13 +322,13 @@ def scoring_launch(q: torch.Tensor, groups: int, geometry: NSAGeometry) -> tuple
     # Transposed, the heads split into a power of two and a padded rest (h = 6: 4 + 2); untransposed they stay one
     # padded set (the paper's h = 16 is a power of two either way).
     ha = 1 << (h.bit_length() - 1) if trans else hp
-    hb = triton.next_power_of_2(h - ha) if h > ha else 0
+    hb = next_power_of_two(h - ha) if h > ha else 0
     # With the heads split, the two-weight stencil is the cheaper Eq. 9 transposed too (with the heads padded its
     # sums over a block's ranks would cross lanes).
     R = stencil_rank(block_len, block_stride, sel_block)
-    C = max(16, triton.next_power_of_2(chunk_tokens))
+    C = max(16, next_power_of_two(chunk_tokens))
     return chunk_tokens, dict(
-        DK=Dk, BLOCK_DK=max(16, triton.next_power_of_2(Dk)), BLOCK_T=block_t,
+        DK=Dk, BLOCK_DK=max(16, next_power_of_two(Dk)), BLOCK_T=block_t,
         HA=ha, HB=hb, K=K, C=C, R=R, TRANS=trans, EXACT=C == chunk_tokens, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=(8 if ieee or block_t * hp > 128 else TUNING.select_warps) if on_gpu else 1,
         num_stages=1 if Dk > 128 or ieee else 2,  # head dim 192: the q tile alone is 128 KB
@@ -346,7 +346,7 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
     block_len, block_stride, sel_block, n_sel, _ = geometry.as_tuple()
     chunk_tokens, launch = scoring_launch(q, G, geometry)
     idx = torch.empty(B, T, G, n_sel, device=q.device, dtype=torch.int64)
-    grid = (triton.cdiv(T, launch["BLOCK_T"]), B * G)
+    grid = (ceil_div(T, launch["BLOCK_T"]), B * G)
     packed_tables = (None,) * 3 if layout is None else (layout.doc_start, layout.doc_end, layout.cmp_start)
     _select_kernel[grid](
         q, k_cmp, lse_cmp, idx, *packed_tables,
