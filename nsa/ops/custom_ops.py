@@ -204,7 +204,8 @@ class EagerAttention(torch.autograd.Function):
 
 
 def _last_dim_contiguous(t: Tensor, dtype: torch.dtype) -> Tensor:
-    t = t.to(dtype)
+    if t.dtype != dtype:  # checked here: a no-op .to() still costs a dispatch on every eager call
+        t = t.to(dtype)
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
