@@ -330,8 +330,8 @@ def _validation_section(runs: list[RunSummary], agg: Aggregates) -> list[str]:
         margin = means[nsa_kind] - means["dense"]
         better = "lower (better)" if margin < 0 else "higher (worse)" if margin > 0 else "equal"
         name = "NSA" if nsa_kind == "nsa" else f"NSA ({nsa_kind})"
-        lines.append(f"**Margin:** {name}'s mean validation loss is {abs(margin):.4f} nats {better} than dense's "
-                     f"({100 * margin / means['dense']:+.2f}%).")
+        lines.append(f"**Margin:** {name}'s mean validation loss is {abs(margin):.4f} nats {better} than dense's"
+                     f"{_relative_margin(margin, means['dense'])}.")
         if spreads:
             widest = max(spreads.values())
             verdict = "larger" if abs(margin) > widest else "not larger"
@@ -340,6 +340,16 @@ def _validation_section(runs: list[RunSummary], agg: Aggregates) -> list[str]:
             lines.append("One run per kind: no spread between runs to compare the margin with.")
         lines.append("")
     return lines
+
+
+RELATIVE_MARGIN_MIN_LOSS = 0.01
+"""Below this dense validation loss (nats) a margin is not also given in percent: a task solved to a loss near
+zero (retrieval) would turn a margin of 0.003 nats into thousands of percent."""
+
+
+def _relative_margin(margin: float, dense_loss: float) -> str:
+    """' (+1.23%)' of dense's loss, or '' where dense's loss is too near zero for a ratio to mean anything."""
+    return f" ({100 * margin / dense_loss:+.2f}%)" if dense_loss >= RELATIVE_MARGIN_MIN_LOSS else ""
 
 
 def _common_tokens(runs: list[RunSummary]) -> float | None:

@@ -13,6 +13,8 @@ from .common import new_figure, save_png
 
 ANNOTATED_CELLS = 160
 """Grids of at most this many cells print each cell's accuracy; larger ones would be unreadable."""
+GRIDS_PER_ROW = 4
+"""Runs side by side before the heatmaps wrap to another row (a grid of seeds x reruns stays readable)."""
 
 
 def draw_grid(ax, grid: Grid, annotate: bool = True):
@@ -44,15 +46,20 @@ def _shortened(reason: str) -> str:
 
 
 def plot_grids(grids: Sequence[Grid], path: Path, title: str = "", label: str = "exact-match accuracy") -> Path:
-    """The grids side by side with one colour bar (0..1, named `label`)."""
+    """The grids side by side, at most GRIDS_PER_ROW to a row, with one colour bar (0..1, named `label`)."""
     n = len(grids)
+    columns, rows = min(n, GRIDS_PER_ROW), -(-n // GRIDS_PER_ROW)
     width = max(len(g.lengths) for g in grids)
     height = max(len(g.depths) for g in grids)
-    fig = new_figure(min(4.0 + 0.55 * width, 8.0) * n if n > 1 else 2.5 + 0.7 * width, 1.6 + 0.32 * height)
-    axes = np.atleast_1d(fig.subplots(1, n, squeeze=False)).ravel()
+    panel_width = min(4.0 + 0.55 * width, 8.0) if n > 1 else 2.5 + 0.7 * width
+    fig = new_figure(panel_width * columns, (1.6 + 0.32 * height) * rows)
+    axes = np.atleast_1d(fig.subplots(rows, columns, squeeze=False)).ravel()
     image = None
     for ax, grid in zip(axes, grids):
         image = draw_grid(ax, grid)
+    for ax in axes[n:]:  # the last row's empty places
+        ax.set_axis_off()
+    axes = axes[:n]
     fig.colorbar(image, ax=list(axes), label=label, shrink=0.9)
     if title:
         fig.suptitle(title)

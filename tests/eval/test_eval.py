@@ -605,6 +605,14 @@ def test_compare_never_pools_nsa_runs_of_another_gate_function(tmp_path, capsys)
     assert "NSA (nsa-softmax)'s mean validation loss is 0.5000 nats lower" in text
 
 
+def test_compare_gives_the_margin_in_percent_only_where_dense_loss_is_not_near_zero(tmp_path):
+    lm = [fake_run(tmp_path, "lm-nsa", "nsa", 1, 1.1), fake_run(tmp_path, "lm-dense", "dense", 1, 1.0)]
+    assert "0.1000 nats higher (worse) than dense's (+10.00%)." in render_compare(lm, tmp_path / "lm").read_text()
+    solved = [fake_run(tmp_path, "ret-nsa", "nsa", 1, 0.003), fake_run(tmp_path, "ret-dense", "dense", 1, 1e-6)]
+    text = render_compare(solved, tmp_path / "ret").read_text()
+    assert "0.0030 nats higher (worse) than dense's." in text and "%)" not in text.split("**Margin:**")[1]
+
+
 # ------------------------------------------------------------------------------------------- errors
 
 
@@ -632,3 +640,18 @@ def test_user_errors_exit_2_with_one_line(runs, tmp_path, capsys):
     out = nsa_cli("eval", str(tmp_path / "missing"))
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
     assert out.stderr.startswith("nsa: error: ") and "does not exist" in out.stderr
+
+
+def test_retrieval_heatmaps_of_many_runs_wrap_into_rows(tmp_path):
+    from matplotlib.image import imread
+
+    from nsa.eval.grid import Grid
+    from nsa.plots.retrieval import GRIDS_PER_ROW, plot_grids
+
+    def grids(n):
+        return [Grid(f"run {i}", [16384, 32768], [0.0, 0.5, 1.0], np.full((3, 2), 0.9)) for i in range(n)]
+
+    one_row = imread(plot_grids(grids(GRIDS_PER_ROW), tmp_path / "one.png")).shape
+    two_rows = imread(plot_grids(grids(GRIDS_PER_ROW + 2), tmp_path / "two.png")).shape
+    assert two_rows[1] == one_row[1]  # no wider than a full row
+    assert two_rows[0] == pytest.approx(2 * one_row[0], rel=0.02)
