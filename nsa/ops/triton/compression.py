@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ..packing import CompressionLayout
 from ..tuning import TUNING
+from . import launcher
 from .common import ceil_div, deterministic, dot_precision, dot_width, eager_call, ieee_products, num_sms
 
 
@@ -297,10 +298,11 @@ def _phi_forward_stages(x0: Tensor, x1: Tensor, pos0: Tensor, pos1: Tensor, w1_0
     hid = x0.new_empty(sets, B, n_blocks, G, H, dtype=torch.float32)
     block_m, block_d, block_h = _launch_shape(x0, H)
     grid = (ceil_div(n_blocks, block_m), B * G, sets)
-    _phi_fwd_kernel[grid](x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid, row_start,
-                          *x0.stride()[:3], *x1.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len, D=D,
-                          H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, PACKED=row_start is not None,
-                          DOT_PRECISION=dot_precision(x0.dtype), num_warps=_warps(x0))
+    launcher.launch(_phi_fwd_kernel, grid,
+                    x0, x1, pos0, pos1, w1_0.to(x0.dtype), w1_1.to(x0.dtype), w2_0, w2_1, out, hid, row_start,
+                    *x0.stride()[:3], *x1.stride()[:3], B, T, n_blocks, G, block_stride, L=block_len, D=D,
+                    H=H, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_M=block_m, PACKED=row_start is not None,
+                    DOT_PRECISION=dot_precision(x0.dtype), num_warps=_warps(x0))
     return out, hid
 
 
@@ -363,29 +365,32 @@ def _phi_backward_stages(dy: Tensor, x0: Tensor, x1: Tensor, pos0: Tensor, pos1:
     dpos = x0.new_empty(sets, *pos0.shape, dtype=torch.float32)
     dh = torch.empty_like(hid, dtype=x0.dtype)
     dh_sums = x0.new_empty(sets, row_programs, H, dtype=torch.float32)
-    _phi_bwd_rows_kernel[(row_programs, sets)](dy, hid, w2_0, w2_1, dh, dh_sums, dw2, row_start, n_rows, w2_slots, T,
-                                               n_blocks, G, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
-                                               BLOCK_M=block_m, ATOMIC=atomic, PACKED=packed, DOT_PRECISION=precision,
-                                               num_warps=_warps(x0))
+    launcher.launch(_phi_bwd_rows_kernel, (row_programs, sets),
+                    dy, hid, w2_0, w2_1, dh, dh_sums, dw2, row_start, n_rows, w2_slots, T,
+                    n_blocks, G, D=D, H=H, BLOCK_D=block_d, BLOCK_H=block_h,
+                    BLOCK_M=block_m, ATOMIC=atomic, PACKED=packed, DOT_PRECISION=precision,
+                    num_warps=_warps(x0))
     dx0 = torch.empty_like(x0)
     dx1 = torch.empty_like(x1) if sets == 2 else x0.new_empty(0)
     # Chunks of d tokens: the stream's, or with packed documents each document's (chunk_start).
     n_chunks = chunk_start.numel() if packed else ceil_div(T, block_stride)
     grid = (ceil_div(n_chunks, block_m), B * G, sets)
-    _phi_bwd_tokens_kernel[grid](dh, dy, w1_0.to(x0.dtype), w1_1.to(x0.dtype), dx0, dx1 if sets == 2 else dx0,
-                                 chunk_start, doc_start, doc_end, cmp_start, *dx0.stride()[:3], B, T, n_blocks,
-                                 n_chunks, G, block_stride, L=block_len, R=block_len // block_stride, D=D, H=H,
-                                 BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_C=block_m, PACKED=packed,
-                                 DOT_PRECISION=precision, num_warps=_warps(x0),
-                                 # float32 tiles in Triton's 3 pipeline stages overrun sm_90's shared memory
-                                 # (benchmarks/offline_compile.py --float32); 16-bit ones keep the default.
-                                 num_stages=1 if x0.element_size() == 4 else 3)
-    _phi_bwd_w1_kernel[(block_len, splits, sets)](dh, x0, x1, pos0, pos1, w1_0, w1_1, dh_sums, dw1, dpos, row_start,
-                                                  *x0.stride()[:3], *x1.stride()[:3], n_rows,
-                                                  ceil_div(n_rows, splits), row_programs, T, n_blocks, G,
-                                                  block_stride, L=block_len, D=D, H=H, BLOCK_D=block_d,
-                                                  BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic, PACKED=packed,
-                                                  DOT_PRECISION=precision, num_warps=_warps(x0))
+    launcher.launch(_phi_bwd_tokens_kernel, grid,
+                    dh, dy, w1_0.to(x0.dtype), w1_1.to(x0.dtype), dx0, dx1 if sets == 2 else dx0,
+                    chunk_start, doc_start, doc_end, cmp_start, *dx0.stride()[:3], B, T, n_blocks,
+                    n_chunks, G, block_stride, L=block_len, R=block_len // block_stride, D=D, H=H,
+                    BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_C=block_m, PACKED=packed,
+                    DOT_PRECISION=precision, num_warps=_warps(x0),
+                    # float32 tiles in Triton's 3 pipeline stages overrun sm_90's shared memory
+                    # (benchmarks/offline_compile.py --float32); 16-bit ones keep the default.
+                    num_stages=1 if x0.element_size() == 4 else 3)
+    launcher.launch(_phi_bwd_w1_kernel, (block_len, splits, sets),
+                    dh, x0, x1, pos0, pos1, w1_0, w1_1, dh_sums, dw1, dpos, row_start,
+                    *x0.stride()[:3], *x1.stride()[:3], n_rows,
+                    ceil_div(n_rows, splits), row_programs, T, n_blocks, G,
+                    block_stride, L=block_len, D=D, H=H, BLOCK_D=block_d,
+                    BLOCK_H=block_h, BLOCK_K=block_m, ATOMIC=atomic, PACKED=packed,
+                    DOT_PRECISION=precision, num_warps=_warps(x0))
     dw1, dw2 = (g[:, 0] if g.shape[1] == 1 else g.sum(1) for g in (dw1, dw2))
     return dx0, dx1, *(g.to(w.dtype) for g, w in ((dpos, pos0), (dw1, w1_0), (dw2, w2_0)))
 

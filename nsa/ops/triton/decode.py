@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ..geometry import NSAGeometry
 from ..tuning import TUNING
+from . import launcher
 from .common import (LOG2E, ceil_div, dot_precision, load_tile, merge_partials, merge_top, next_power_of_two, num_sms,
                      overlap, store_tile)
 from .selection import stencil_rank
@@ -406,7 +407,7 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
 
     R = stencil_rank(block_len, block_stride, sel_block)
     cpp = _chunks_per_program(n_chunks, bg, q.device)
-    _chunk_kernel[(ceil_div(n_chunks, cpp), bg)](
+    launcher.launch(_chunk_kernel, (ceil_div(n_chunks, cpp), bg),
         q, k_cmp, v_cmp, n_cmp, pm, pl, pacc, psc, q.stride(0), q.stride(1),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         G, h, n_chunks, scale_log2, block_len, block_stride, sel_block, chunk_tokens,
@@ -418,24 +419,24 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
         part = torch.empty(bg, n_groups, K, device=q.device, dtype=torch.int64)
         gm, gl = torch.empty(bg, n_groups, HP, **f32), torch.empty(bg, n_groups, HP, **f32)
         gacc = torch.empty(bg, n_groups, HP, dims["BLOCK_DV"], **f32)
-        _select_part_kernel[(n_groups, bg)](
+        launcher.launch(_select_part_kernel, (n_groups, bg),
             pm, pl, pacc, psc, positions, part, gm, gl, gacc, G, h, n_chunks, n_groups, sel_block, HP=HP,
             BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=CT, PTS=min(64, next_power_of_two(n_chunks)),
             **rank_warps)
-        _select_merge_kernel[(bg,)](
+        launcher.launch(_select_merge_kernel, (bg,),
             gm, gl, gacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, h, n_groups,
             sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **rank_warps)
     else:
-        _select_kernel[(bg,)](
+        launcher.launch(_select_kernel, (bg,),
             pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, h, n_chunks,
             sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **rank_warps)
-    _span_kernel[(n_parts, bg)](
+    launcher.launch(_span_kernel, (n_parts, bg),
         q, k_sel, v_sel, k_win, v_win, positions, selected, sm, sl, sacc, sreads, q.stride(0), q.stride(1),
         k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
         selected.stride(0), selected.stride(1), G, h, n_parts, scale_log2, sel_block, n_sel, window,
         **dims, HP=HP, BLOCK_N=BLOCK_N, DOT_PRECISION=precision, **warps)
     dvt = min(16, dims["BLOCK_DV"])
-    _combine_kernel[(bg, dims["BLOCK_DV"] // dvt)](
+    launcher.launch(_combine_kernel, (bg, dims["BLOCK_DV"] // dvt),
         gates, n_cmp, ocmp, sm, sl, sacc, sreads, o, reads, gates.stride(0), gates.stride(1), gates.stride(2),
         o.stride(0), o.stride(1), G, h, n_parts, n_sel, DV=Dv, BLOCK_DV=dims["BLOCK_DV"], HP=HP,
         PS=next_power_of_two(n_sel), PW=next_power_of_two(n_parts - n_sel), DVT=dvt,

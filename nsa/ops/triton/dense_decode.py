@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..tuning import TUNING
+from . import launcher
 from .common import LOG2E, ceil_div, dot_precision, load_tile, merge_partials, next_power_of_two
 
 _BLOCK_N = 64  # keys a step inside a split
@@ -100,12 +101,12 @@ def dense_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     pacc = torch.empty(B * G, n_splits, HP, BLOCK_DV, **f32)
     o = torch.empty(B, H, Dv, device=q.device, dtype=q.dtype)
     warps = dict(num_warps=4 if q.is_cuda else 1)
-    _split_kernel[(n_splits, B * G)](
+    launcher.launch(_split_kernel, (n_splits, B * G),
         q, k, v, positions, pm, pl, pacc, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), G, h, n_splits, scale * LOG2E, DK=Dk, DV=Dv, BLOCK_DK=BLOCK_DK,
         BLOCK_DV=BLOCK_DV, HP=HP, SPLIT=split, BLOCK_N=_BLOCK_N, DOT_PRECISION=dot_precision(q.dtype), **warps)
     dvt = min(BLOCK_DV, 32)
-    _merge_kernel[(B * G, BLOCK_DV // dvt)](
+    launcher.launch(_merge_kernel, (B * G, BLOCK_DV // dvt),
         pm, pl, pacc, o, o.stride(0), o.stride(1), G, h, n_splits, DV=Dv, BLOCK_DV=BLOCK_DV, HP=HP,
         PT=min(16, next_power_of_two(n_splits)), DVT=dvt, **warps)
     return o

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..tuning import TUNING
+from . import launcher
 from .common import ceil_div, next_power_of_two
 
 
@@ -63,7 +64,7 @@ def gate_grads(do: torch.Tensor, o_cmp, o_sel, o_win, gates: torch.Tensor, lse_c
     lse_g = torch.empty_like(delta)
     on_gpu = do.device.type == "cuda"
     block_m = TUNING.gate_block_m if on_gpu else 16
-    _gate_grads_kernel[(ceil_div(B * T * H, block_m),)](
+    launcher.launch(_gate_grads_kernel, (ceil_div(B * T * H, block_m),),
         do, o_cmp, o_sel, o_win, gates, lse_cmp, lse_sel, lse_win, dgates, delta, lse_g,
         do.stride(0), do.stride(1), do.stride(2), gates.stride(0), gates.stride(1), gates.stride(2),
         lse_cmp.stride(0), lse_cmp.stride(1), lse_cmp.stride(2),

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..packing import PackedLayout
 from ..tuning import TUNING
+from . import launcher
 from .common import ceil_div, deterministic, lower_bound
 
 _BLOCK = 1024
@@ -123,23 +124,24 @@ def inverse_index(indices: torch.Tensor, num_sel_blocks: int, chunk: int, query_
         raise ValueError(f"the inverse index holds fewer than 2**31 (query, slot) entries, got {total}")
     dev = indices.device
     keys = torch.empty(total, device=dev, dtype=sort_key_dtype(n_keys))
-    _entry_keys_kernel[(ceil_div(total, _BLOCK),)](
+    launcher.launch(_entry_keys_kernel, (ceil_div(total, _BLOCK),),
         indices, keys, sel_start, *indices.stride()[:3], T, G, num_sel_blocks, NQ, query_range, n_keys, total, n=n,
         BLOCK=_BLOCK, PACKED=sel_start is not None)
     sorted_keys, entries = torch.sort(keys, stable=True)  # stable: t ascending within a key
     # `counts` holds each key's end position until _key_items_kernel subtracts the start (absent keys: 0 - 0).
     starts, counts = torch.zeros(2, n_keys, device=dev, dtype=torch.int32)
     items = torch.empty(n_keys, device=dev, dtype=torch.int32)
-    _key_bounds_kernel[(ceil_div(total, _BLOCK),)](sorted_keys, starts, counts, total, n_keys, BLOCK=_BLOCK)
-    _key_items_kernel[(ceil_div(n_keys, _BLOCK),)](starts, counts, items, n_keys, chunk, BLOCK=_BLOCK)
+    launcher.launch(_key_bounds_kernel, (ceil_div(total, _BLOCK),),
+                    sorted_keys, starts, counts, total, n_keys, BLOCK=_BLOCK)
+    launcher.launch(_key_items_kernel, (ceil_div(n_keys, _BLOCK),), starts, counts, items, n_keys, chunk, BLOCK=_BLOCK)
     item_end = torch.cumsum(items, 0, dtype=torch.int32)
     max_items = num_items(B, T, G, n, num_sel_blocks, chunk, query_range)
     # Unused items get a key past every real one: unsplit, item_key ascends over the whole array, so a key's items
     # can be found by binary search (the deterministic backward's sums, selected_attention.sum_item_partials).
     item_key, item_start, item_count = (torch.empty(max_items, device=dev, dtype=torch.int32) for _ in range(3))
-    _items_kernel[(ceil_div(max_items, _BLOCK),)](starts, counts, items, item_end, item_key, item_start,
-                                                      item_count, n_keys, max_items, chunk, num_sel_blocks, NQ,
-                                                      STEPS=n_keys.bit_length(), BLOCK=_BLOCK)
+    launcher.launch(_items_kernel, (ceil_div(max_items, _BLOCK),),
+                    starts, counts, items, item_end, item_key, item_start, item_count, n_keys, max_items, chunk,
+                    num_sel_blocks, NQ, STEPS=n_keys.bit_length(), BLOCK=_BLOCK)
     return item_key, item_start, item_count, entries.to(torch.int32)
 
 

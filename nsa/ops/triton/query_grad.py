@@ -29,6 +29,7 @@ from ..branches import MODE_SEL, SEL_PARTS, SEL_TILED, SelectedDQ
 from ..geometry import NSAGeometry
 from ..packing import PackedLayout
 from ..tuning import TUNING
+from . import launcher
 from .common import (LOG2E, ceil_div, dot_precision, head_dims, key_plan, key_step, load_tile, next_power_of_two,
                      one_block, picked, picked_rows, program_rows, store_tile, tile_sizes, visible)
 
@@ -162,7 +163,7 @@ def launch(q: torch.Tensor, do: torch.Tensor, dq: torch.Tensor, lse_g: torch.Ten
     cfg = tile_sizes(q, Dk, Dv, "dq")
     if sel.kind == SEL_TILED and q.device.type == "cuda" and max(Dk, Dv) <= 64:
         cfg["BLOCK_N"] = TUNING.dq_block_n_tiled
-    _query_grad_kernel[(ceil_div(T * h, cfg["BLOCK_M"]), B * G)](
+    launcher.launch(_query_grad_kernel, (ceil_div(T * h, cfg["BLOCK_M"]), B * G),
         q, do, dq, lse_g[0], delta[0], lse_g[1], delta[1], lse_g[2], delta[2], kc, vc, ks, vs, kw, vw, choice,
         sel.parts if sel.parts is not None else q, sel.dq if sel.dq is not None else q,
         *((layout.doc_start, layout.cmp_start) if layout is not None else (None, None)),

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ..packing import PackedLayout
 from ..tuning import TUNING
+from . import launcher
 from .common import (LOG2E, ceil_div, dot_precision, head_dims, ieee_products, load_grad_rows, load_tile, lower_bound,
                      next_power_of_two, softmax_finish, softmax_step, store_tile)
 
@@ -486,7 +487,7 @@ def token_forward(q, k, v, indices, o_sel, lse_sel, scale: float, sel_block: int
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
     sel_start = None if layout is None else layout.sel_start
-    _sel_token_fwd_kernel[(T, B * G)](
+    launcher.launch(_sel_token_fwd_kernel, (T, B * G),
         q, k, v, indices, o_sel, lse_sel, sel_start, *_block_tables(layout), *_strides(q, k, v, indices, o_sel),
         *lse_sel.stride()[:2], T, G, h, scale * LOG2E, sel_block, n, **head_dims(Dk, Dv),
         **_token_launch(q, h, sel_block), PACKED=layout is not None, DOT_PRECISION=dot_precision(q.dtype),
@@ -501,7 +502,7 @@ def block_partials(q, k, v, inverse, opart, lsepart, scale: float, sel_block: in
     B, T, H, Dk = q.shape
     G, Dv = k.shape[2], v.shape[-1]
     item_key, item_start, item_count, entries = inverse
-    _sel_fwd_partial_kernel[(item_key.numel(),)](
+    launcher.launch(_sel_fwd_partial_kernel, (item_key.numel(),),
         q, k, v, opart, lsepart, item_key, item_start, item_count, entries, *_block_tables(layout),
         *_strides(q, k, v), T, G, num_block_keys(T, sel_block, layout), n, H // G, scale * LOG2E, sel_block,
         **head_dims(Dk, Dv), **block_tile(sel_block), **_item_launch(q, Dv), PACKED=layout is not None,
@@ -516,7 +517,7 @@ def finalize(opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel, me
     G, n = indices.shape[2], indices.shape[-1]
     h = H // G
     cfg = _row_launch(o)
-    _finalize_kernel[(ceil_div(T * h, cfg["BLOCK_M"]), B * G)](
+    launcher.launch(_finalize_kernel, (ceil_div(T * h, cfg["BLOCK_M"]), B * G),
         opart, lsepart, indices, o_cmp, o_win, gates, o, o_sel, lse_sel,
         *indices.stride()[:3], *o.stride()[:3], *gates.stride()[:3], *lse_sel.stride()[:2],
         T, G, h, n, MERGE=merge, DV=Dv, BLOCK_DV=max(16, next_power_of_two(Dv)),
@@ -536,7 +537,7 @@ def block_backward(q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, inverse, sca
     G, Dv = k.shape[2], v.shape[-1]
     item_key, item_start, item_count, entries = inverse
     out_strides = (0,) * 6 if partials else _strides(dk_acc, dv_acc)
-    _sel_bwd_kernel[(item_key.numel(),)](
+    launcher.launch(_sel_bwd_kernel, (item_key.numel(),),
         q, k, v, do, lse, delta, dk_acc, dv_acc, dqpart, item_key, item_start, item_count, entries,
         *_block_tables(layout), *_strides(q, k, v, do), *lse.stride()[:2], *out_strides,
         T, G, num_block_keys(T, sel_block, layout), n, H // G, scale * LOG2E, scale, sel_block, WRITE_DQ=write_dq,
@@ -553,7 +554,7 @@ def sum_item_partials(part: torch.Tensor, item_key: torch.Tensor, out: torch.Ten
     NS = num_block_keys(T, sel_block, layout)
     rows = min(block_l, 16) if out.is_cuda else block_l
     n_items = item_key.numel()
-    _sum_item_partials_kernel[(B * G * NS, -(-block_l // rows))](
+    launcher.launch(_sum_item_partials_kernel, (B * G * NS, -(-block_l // rows)),
         part, item_key, out, *_block_tables(layout), out.stride(0), out.stride(1), out.stride(2), n_items, T, G, NS,
         sel_block, D=D, BLOCK_L=block_l, ROWS=rows, BLOCK_D=max(16, next_power_of_two(D)),
         STEPS=max(1, n_items.bit_length()), PACKED=layout is not None, num_warps=4 if out.is_cuda else 1)
@@ -566,7 +567,7 @@ def token_dq(q, k, v, indices, do, lse, delta, dq, scale: float, sel_block: int,
     G, Dv = k.shape[2], v.shape[-1]
     h, n = H // G, indices.shape[-1]
     sel_start = None if layout is None else layout.sel_start
-    _sel_token_dq_kernel[(T, B * G)](
+    launcher.launch(_sel_token_dq_kernel, (T, B * G),
         q, k, v, indices, do, lse, delta, dq, sel_start, *_block_tables(layout), *_strides(q, k, v, indices, do),
         *lse.stride()[:2], *dq.stride()[:3], T, G, h, scale * LOG2E, scale, sel_block, n,
         **head_dims(Dk, Dv), **_token_launch(q, h, sel_block), PACKED=layout is not None,

@@ -25,6 +25,7 @@ import triton.language as tl
 from ..geometry import NSAGeometry
 from ..packing import PackedLayout
 from ..tuning import TUNING
+from . import launcher
 from .common import LOG2E, ceil_div, dot_precision, ieee_products, merge_top, next_power_of_two, overlap
 
 
@@ -348,7 +349,7 @@ def select_blocks_fwd(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tenso
     idx = torch.empty(B, T, G, n_sel, device=q.device, dtype=torch.int64)
     grid = (ceil_div(T, launch["BLOCK_T"]), B * G)
     packed_tables = (None,) * 3 if layout is None else (layout.doc_start, layout.doc_end, layout.cmp_start)
-    _select_kernel[grid](
+    launcher.launch(_select_kernel, grid,
         q, k_cmp, lse_cmp, idx, *packed_tables,
         q.stride(0), q.stride(1), q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         lse_cmp.stride(0), lse_cmp.stride(1), idx.stride(0), idx.stride(1), idx.stride(2),

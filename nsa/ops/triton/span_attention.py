@@ -38,6 +38,7 @@ import triton.language as tl
 from ..geometry import NSAGeometry
 from ..packing import PackedLayout
 from ..tuning import TUNING
+from . import launcher
 from .common import (LOG2E, ceil_div, chosen_blocks, dot_precision, head_dims, interior, key_plan, key_step,
                      load_grad_rows, load_tile, next_power_of_two, num_sms, one_block, picked, picked_rows,
                      program_rows, softmax_finish, softmax_step, store_tile, tile_sizes, visible)
@@ -326,7 +327,7 @@ def chosen_bits(indices: torch.Tensor, num_sel_blocks: int) -> torch.Tensor:
     flat = indices.reshape(-1, indices.shape[-1]).contiguous()
     bits = torch.empty(indices.shape[:-1], dtype=torch.int64, device=indices.device)
     block = 256 if indices.is_cuda else 16
-    _chosen_bits_kernel[(ceil_div(flat.shape[0], block),)](
+    launcher.launch(_chosen_bits_kernel, (ceil_div(flat.shape[0], block),),
         flat, bits, flat.shape[0], flat.shape[1], NP=max(2, next_power_of_two(flat.shape[1])), BLOCK=block)
     return bits
 
@@ -351,7 +352,7 @@ def forward(q, k, v, o, lse, mode: int, scale: float, geometry: NSAGeometry, bit
     cfg = tile_sizes(q, Dk, Dv)
     sel_block = geometry.sel_block
     tables = (layout.doc_start, layout.cmp_start) if layout is not None else (None, None)
-    _span_fwd_kernel[(ceil_div(T * (H // G), cfg["BLOCK_M"]), B * G)](
+    launcher.launch(_span_fwd_kernel, (ceil_div(T * (H // G), cfg["BLOCK_M"]), B * G),
         q, k, v, o, lse, idx, o_cmp, o_win, gates, out, *tables,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
@@ -390,7 +391,7 @@ def dkdv(q, k, v, do, lse, delta, dk_out, dv_out, mode: int, scale: float, geome
     sel_block = geometry.sel_block
     tables = ((layout.doc_start, layout.doc_end, layout.cmp_ready, layout.cmp_doc_end) if layout is not None
               else (None,) * 4)
-    _span_dkdv_kernel[(ceil_div(NK, cfg["BLOCK_N"]), splits, B * G)](
+    launcher.launch(_span_dkdv_kernel, (ceil_div(NK, cfg["BLOCK_N"]), splits, B * G),
         q, k, v, do, lse, delta, dk_out, dv_out, idx, *tables,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
