@@ -100,7 +100,8 @@ class NSALayerCache:
         self.n_cmp.copy_(offsets[1:] - offsets[:-1])
 
     def write(self, p: dict[str, torch.Tensor], positions: torch.Tensor) -> None:
-        """Store one token per sequence (project()'s outputs [B,1,...]) at positions [B]."""
+        """Store one token per sequence (project()'s outputs [B,1,...]) at positions [B]. (A step on the Triton
+        backend stores them from its decode prep kernel instead: nsa.ops.triton.decode_prep.)"""
         # One index_put_ on the base tensor per cache: writing through a view (self.k[s]) makes
         # torch.compile functionalize it as a scatter that copies the whole cache, every step.
         sets = torch.arange(self.k.shape[0], device=positions.device)[:, None]

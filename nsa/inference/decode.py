@@ -18,9 +18,10 @@ from ..model.compression import compress_pair
 from ..model.documents import Documents
 from ..model.rope import apply_rope
 from ..ops import nsa_attention
+from ..ops.api import resolve_backend
 from .attention import decode_attention, dense_decode_attention
 from .cache import DecodeCache, DenseLayerCache, NSALayerCache
-from .fused import FusedWeights, gates_from, input_projections
+from .fused import FusedWeights, gates_from, input_projections, input_rows
 
 
 def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, documents: Documents | None) -> torch.Tensor:
@@ -37,14 +38,44 @@ def _nsa_prefill(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, document
     return attn.wo(o.reshape(b, t, -1))
 
 
-def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions, emit: bool = True) -> torch.Tensor:
+def _step_backend(attn: NSAAttention) -> str:
+    """The NSA backend a decode step of this layer asks for (its decode attention's; the step's prep follows it)."""
+    return attn.cfg.nsa.backend
+
+
+def _nsa_prep(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's queries [B,H,Dk] and gates [B,H,3] (in q's dtype) for x [B,1,dim]; writes the token's keys and
+    values into the cache. In PyTorch: the reference for nsa.ops.triton.decode_prep."""
     q_lin, kv_lin, gate_lin = input_projections(cache.fused, x)
     p = attn.project_from(q_lin, kv_lin, gate_lin, cos, sin, gates=gates_from(cache.fused, attn.gate, gate_lin))
     cache.write(p, positions)
+    return p["q"][:, 0], p["gates"][:, 0].to(p["q"].dtype)
+
+
+def _nsa_prep_triton(attn: NSAAttention, x, cos, sin, cache: NSALayerCache,
+                     positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """_nsa_prep with everything after the input GEMM in one Triton kernel (nsa.ops.triton.decode_prep)."""
+    from ..ops.triton.decode_prep import decode_prep
+
+    b = x.shape[0]
+    return decode_prep(input_rows(cache.fused, x)[:, 0], positions, cos.reshape(b, -1), sin.reshape(b, -1),
+                       cache.k, cache.v, cache.fused.gate_out, n_heads=attn.n_heads, gate_kind=attn.gate.kind)
+
+
+def _prep_on_triton(backend: str, x: torch.Tensor) -> bool:
+    """Whether the step's prep runs as the Triton kernel: where the decode attention does, for the dtypes the
+    kernel computes exactly enough (float32 arithmetic: not for float64 models)."""
+    return (x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and resolve_backend(backend, x.device, seq_len=1) == "triton")
+
+
+def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions, emit: bool = True) -> torch.Tensor:
+    backend = _step_backend(attn)
+    prep = _nsa_prep_triton if _prep_on_triton(backend, x) else _nsa_prep
+    q, gates = prep(attn, x, cos, sin, cache, positions)
     if emit:  # skipped (exactly: it would change nothing) when the host knows no block is due
         cache.emit(positions)  # before attending: a block ending at t is visible to t
-    o, reads = decode_attention(p["q"][:, 0], p["gates"][:, 0].to(p["q"].dtype), cache, positions,
-                                backend=attn.cfg.nsa.backend)
+    o, reads = decode_attention(q, gates, cache, positions, backend=backend)
     cache.reads.copy_(reads)
     return attn.wo(o.flatten(1))[:, None]
 

@@ -51,9 +51,14 @@ def fuse(layers: tuple[nn.Linear, ...], compressors: tuple[nn.Module, nn.Module]
     return fused
 
 
+def input_rows(fused: FusedWeights, x: torch.Tensor) -> torch.Tensor:
+    """Every input map of x [..., dim], side by side [..., sum(widths)]: one matmul."""
+    return F.linear(x, fused.w_in)
+
+
 def input_projections(fused: FusedWeights, x: torch.Tensor) -> list[torch.Tensor]:
     """Each input map of x [..., dim], from one matmul."""
-    return list(F.linear(x, fused.w_in).split(fused.widths, dim=-1))
+    return list(input_rows(fused, x).split(fused.widths, dim=-1))
 
 
 def gates_from(fused: FusedWeights, gate: nn.Module, h: torch.Tensor) -> torch.Tensor:

@@ -110,13 +110,26 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("attention,gate_hidden,mm_per_layer", [("nsa", 16, 4), ("nsa", 0, 4), ("dense", 16, 4)])
-def test_a_decode_step_fuses_the_input_maps_and_phi_into_few_matmuls(attention, gate_hidden, mm_per_layer):
+@pytest.mark.parametrize("attention,gate_hidden,mm_per_layer,prep_kernel",
+                         [("nsa", 16, 4, False), ("nsa", 0, 4, False), ("nsa", 16, 4, True), ("nsa", 0, 4, True),
+                          ("dense", 16, 4, False)],
+                         ids=["nsa", "nsa-linear-gate", "nsa-prep-kernel", "nsa-linear-gate-prep-kernel", "dense"])
+def test_a_decode_step_fuses_the_input_maps_and_phi_into_few_matmuls(attention, gate_hidden, mm_per_layer,
+                                                                     prep_kernel, monkeypatch):
     """At decode batch sizes the count of matmuls sets the time: one for the layer input's maps (queries,
     keys/values, the gate's first layer), then wo and the MLP's two (an MLP gate's second layer is a product
-    and a sum, which torch.compile fuses with its SiLU and sigmoid); phi's MLP is two batched matmuls over keys
+    and a sum, which torch.compile fuses with its SiLU and sigmoid, or the decode prep kernel computes with
+    RoPE and the cache write: nsa.ops.triton.decode_prep); phi's MLP is two batched matmuls over keys
     and values together, only on a step that completes a compressed block. One more for the output head."""
     model = tiny_model(attention, gate_hidden=gate_hidden)
+    if prep_kernel:  # the Triton prep, in the interpreter without a GPU (float32: it leaves float64 to PyTorch)
+        import nsa.ops.triton.decode_prep as prep_module
+
+        model = model.float()
+        launches = []
+        prep = prep_module.decode_prep
+        monkeypatch.setattr("nsa.inference.decode._prep_on_triton", lambda backend, x: True)
+        monkeypatch.setattr(prep_module, "decode_prep", lambda *a, **kw: launches.append(1) or prep(*a, **kw))
     tokens = tokens_for(2, 41)
     cache = new_cache(model, 2, 41)
     prefill(model, tokens[:, :39], cache)
@@ -126,6 +139,7 @@ def test_a_decode_step_fuses_the_input_maps_and_phi_into_few_matmuls(attention, 
         assert count.mm == mm_per_layer * 2 + 1
         phi = [s for s in count.bmm_shapes if s in ((2, 8 * 8, 16), (2, 16, 8))]  # [2, l*D, hidden], [2, hidden, D]
         assert phi == ([(2, 64, 16), (2, 16, 8)] * 2 if attention == "nsa" and t == 39 else [])
+    assert not prep_kernel or len(launches) == 2 * 2  # both steps of both layers went through the kernel
 
 
 # Prompts of one token, shorter than a compressed block (l = 8), of one block exactly, between blocks and
@@ -338,7 +352,8 @@ def test_the_dense_models_split_decode_kernel_generates_the_full_forwards_argmax
     monkeypatch.setattr(decode_module, "dense_decode_attention",
                         lambda *a, **k: kernel_calls.append(1) or triton_decode(*a, **k))
     monkeypatch.setattr(TUNING, "dense_decode_split", 64)
-    model = tiny_model("dense", seed=17)
+    # On a GPU machine Triton has no interpreter: the kernel runs there, on the model moved to the GPU.
+    model = tiny_model("dense", seed=17).to("cuda" if torch.cuda.is_available() else "cpu")
     prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (40, 70, 130)]
     got = generate(model, prompts, 10, temperature=0)
     assert len(kernel_calls) == 9 * model.cfg.n_layers  # every decoded token after the prefill's
@@ -493,12 +508,24 @@ def test_empty_prompts_are_refused():
         generate(tiny_model(), [], 3)
 
 
+@pytest.fixture(params=["cpu", "cuda-triton"])
+def step_device(request, monkeypatch):
+    """Where the decode step runs: on the CPU in PyTorch, or on a GPU with the NSA layers' Triton decode (the decode
+    prep kernel and the decode attention, user-defined Triton kernels inside the compiled step)."""
+    if request.param == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the GPU machine)")
+    monkeypatch.setattr("nsa.inference.decode._step_backend", lambda attn: "triton")
+    return "cuda"
+
+
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
-def test_the_compiled_decode_step_gives_the_eager_steps_logits(attention):
+def test_the_compiled_decode_step_gives_the_eager_steps_logits(attention, step_device):
     from nsa.inference import compiled_decode_step
 
-    model = tiny_model(attention).float()
-    tokens = tokens_for(2, 40)
+    model = tiny_model(attention).float().to(step_device)
+    tokens = tokens_for(2, 40).to(step_device)
     caches = [new_cache(model, 2, 40) for _ in range(2)]
     for cache in caches:
         prefill(model, tokens[:, :30], cache)
@@ -510,10 +537,12 @@ def test_the_compiled_decode_step_gives_the_eager_steps_logits(attention):
     assert torch.equal(caches[0].lengths, caches[1].lengths) and caches[1].longest == 40
 
 
-def test_the_compiled_nsa_step_writes_its_caches_in_place():
+def test_the_compiled_nsa_step_writes_its_caches_in_place(step_device):
     """No kernel of the compiled step may sweep the raw caches' token dimension: a write through a view of a
     cache (cache.k[s][rows, t] = ...) compiles to a scatter that copies the whole cache every step (on an H100
-    at 64k: 5.6 ms a token instead of 3, 55 ms at batch 16)."""
+    at 64k: 5.6 ms a token instead of 3, 55 ms at batch 16). On a GPU the same for the Triton decode prep kernel's
+    write: a functionalized mutation that Inductor could not put back in place would copy the cache (a kernel of
+    the cache's size)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -521,12 +550,12 @@ def test_the_compiled_nsa_step_writes_its_caches_in_place():
     from nsa.inference.decode import step_logits
 
     capacity = 4099  # prime: a loop over the token dimension shows as a size divisible by it
-    model = tiny_model("nsa").float()
+    model = tiny_model("nsa").float().to(step_device)
     cache = new_cache(model, 2, capacity)
-    prefill(model, tokens_for(2, 30), cache)
+    prefill(model, tokens_for(2, 30).to(step_device), cache)
     step = torch.compile(step_logits, dynamic=False)
     with torch.no_grad():
-        _, code = run_and_get_code(step, model, tokens_for(2, 1)[:, 0], cache.layers, cache.lengths)
+        _, code = run_and_get_code(step, model, tokens_for(2, 1)[:, 0].to(step_device), cache.layers, cache.lengths)
     sizes = [int(n) for src in code for n in re.findall(r"(?:x\d+\s*<\s*(?:static_cast<int64_t>\()?|numel\s*=\s*)(\d+)", src)]
     assert sizes, "no loop bounds found in the generated code"
     assert not [n for n in sizes if n % capacity == 0], "a kernel of the compiled step sweeps a whole cache"

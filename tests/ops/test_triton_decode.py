@@ -1,7 +1,7 @@
 """The fused Triton decode kernel against the PyTorch decode path (nsa.inference.attention):
 outputs, chosen blocks and tokens read, for group sizes 1, 6 and 16, positions before the first
 compressed block, on block edges and in the middle of blocks; then whole-model decoding with the
-kernel equals the full forward. Without a GPU this runs in Triton's interpreter (tests/conftest.py)."""
+kernel (and the decode prep kernel before it, nsa.ops.triton.decode_prep) equals the full forward. Without a GPU this runs in Triton's interpreter (tests/conftest.py)."""
 
 import pytest
 import torch
@@ -116,13 +116,26 @@ def _check_ranking(capacity, positions, block_len, sel_block):
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_decoding_with_the_kernel_equals_the_full_forward(monkeypatch):
+@pytest.fixture
+def triton_steps(monkeypatch):
+    """Decode steps on the Triton backend (the decode prep kernel, then the decode attention) whatever the model's
+    backend (its prefill stays on it); yields the list of the prep kernel's launches, to check that it ran."""
     import nsa.inference.decode as decode_module
+    import nsa.ops.triton.decode_prep as prep_module
 
-    def triton_decode_attention(*args, **kwargs):  # the model's prefill stays on the reference backend
-        return decode_attention(*args, **{**kwargs, "backend": "triton"})
+    launches = []
+    prep = prep_module.decode_prep
 
-    monkeypatch.setattr(decode_module, "decode_attention", triton_decode_attention)
+    def counted_prep(*args, **kwargs):
+        launches.append(args[0].shape)
+        return prep(*args, **kwargs)
+
+    monkeypatch.setattr(decode_module, "_step_backend", lambda attn: "triton")
+    monkeypatch.setattr(prep_module, "decode_prep", counted_prep)
+    return launches
+
+
+def test_decoding_with_the_kernel_equals_the_full_forward(triton_steps):
     model = model_for(4, 2)
     tokens = torch.randint(0, 53, (2, 34), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     full = model(tokens)
@@ -131,19 +144,15 @@ def test_decoding_with_the_kernel_equals_the_full_forward(monkeypatch):
     for i in range(22, 34):  # crosses compressed emissions (every 4 tokens) and a selection-block edge (32)
         logits.append(decode_step(model, tokens[:, i], cache))
     torch.testing.assert_close(torch.stack(logits, 1), full[:, 21:], **TOL)
+    assert len(triton_steps) == 12 * 2  # every step of every layer prepared by the kernel
 
 
-def test_the_graphed_decoder_steps_like_the_full_forward(monkeypatch):
+def test_the_graphed_decoder_steps_like_the_full_forward(triton_steps):
     """GraphedDecoder: on a GPU, CUDA graphs of the step with and without the compressed emission, picked per
     step from the host's lengths; without one, the same steps launched eagerly. Ragged prompts make the two
     sequences complete their blocks on different steps."""
-    import nsa.inference.decode as decode_module
     from nsa.inference.graphed import GraphedDecoder
 
-    def triton_decode_attention(*args, **kwargs):
-        return decode_attention(*args, **{**kwargs, "backend": "triton"})
-
-    monkeypatch.setattr(decode_module, "decode_attention", triton_decode_attention)
     model = model_for(4, 2, backend="auto")  # the reference backend would keep the decoder off graphs
     tokens = torch.randint(0, 53, (2, 34), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     full = model(tokens)
@@ -159,6 +168,7 @@ def test_the_graphed_decoder_steps_like_the_full_forward(monkeypatch):
     assert set(decoder.graphs) == ({True, False} if DEVICE == "cuda" else set())
     nc = cache.layers[0].n_cmp.tolist()
     assert nc == [(25 - 8) // 4 + 1, (34 - 8) // 4 + 1]  # every due block emitted once, none twice
+    assert triton_steps  # the steps (or, on a GPU, the captured graphs) ran the decode prep kernel
 
 
 def dense_layer_cache(n_heads, n_kv_heads, positions, capacity, seed):

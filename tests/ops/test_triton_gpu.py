@@ -788,3 +788,35 @@ def test_gluon_query_grad_on_packed_documents_matches_the_triton_kernel(gluon_pa
     assert calls == [1], "the Gluon dQ kernel did not run (or ran twice)"
     assert torch.isfinite(grads[True]).all()
     assert rel_err(grads[True], grads[False]) < 5e-3, rel_err(grads[True], grads[False])
+
+
+@pytest.mark.parametrize("B", [1, 16])
+def test_decode_prep_kernel_at_m7cs_shape_matches_the_pytorch_step(B):
+    # One M7C layer (12 query heads, 2 key/value of 64, three key/value sets, an MLP gate of 64 units) in bf16, each
+    # sequence at its own position around 64k in a cache of 65,600 tokens: the decode prep kernel
+    # (nsa.ops.triton.decode_prep) against decode._nsa_prep on twin caches, q, gates and the whole raw caches.
+    from nsa.inference import new_cache
+    from nsa.inference.decode import _nsa_prep, _nsa_prep_triton
+    from nsa.model import Transformer, m7c
+
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(m7c(), n_layers=1, vocab_size=64)).cuda().to(torch.bfloat16).eval()
+    caches = [new_cache(model, B, 65600).layers[0] for _ in range(2)]
+    gen = torch.Generator(device="cuda").manual_seed(B)
+    for name in ("k", "v"):
+        start = torch.randn(caches[0].k.shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for cache in caches:
+            getattr(cache, name).copy_(start)
+    t = 65535 + torch.arange(B, device="cuda") * 4 % 65  # 65,535 .. 65,599
+    x = torch.randn(B, 1, 768, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cos, sin = model.rope(t[:, None])
+    attn = model.layers[0].attn
+    with torch.no_grad():
+        want_q, want_gates = _nsa_prep(attn, x, cos, sin, caches[0], t)
+        got_q, got_gates = _nsa_prep_triton(attn, x, cos, sin, caches[1], t)
+    assert torch.equal(caches[1].v, caches[0].v)
+    # bf16 keys and queries: one rounding apart where the kernel's float32 products fuse differently.
+    torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-2, atol=1e-2)
+    assert torch.equal(caches[1].k[:, :, :65535], caches[0].k[:, :, :65535])  # no earlier slot touched
+    torch.testing.assert_close(got_q, want_q, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_gates, want_gates, rtol=1e-2, atol=1e-2)
