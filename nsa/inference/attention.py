@@ -101,9 +101,11 @@ def decode_attention(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    reads_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NSA output o [B,H,Dv] of the queries q [B,H,Dk] at positions [B] (or one int for all), and
-    reads [B,G]: key/value tokens gathered per sequence and group (compressed + selected + window).
+    reads [B,G]: key/value tokens gathered per sequence and group (compressed + selected + window), written into
+    `reads_out` (int64 [B,G]) when given (a decode step's cache.reads: the kernel writes it, no copy follows).
 
     gates [B,H,3] in (cmp, sel, win) order, in [0, 1]. The cache must already hold every token up
     to and including t and the compressed tokens emitted at t; the geometry is the cache's (its compressed
@@ -121,7 +123,7 @@ def decode_attention(
         return decode_attention_triton(
             q, gates, cache.k_cmp, cache.v_cmp, cache.n_cmp, cache.keys("sel"), cache.values("sel"),
             cache.keys("win"), cache.values("win"), _as_positions(positions, b, q.device), geometry=geometry,
-            scale=scale, selected=cache.selected)
+            scale=scale, selected=cache.selected, reads=reads_out)
     dtype = torch.promote_types(torch.promote_types(q.dtype, cache.k.dtype), torch.float32)
     t = _as_positions(positions, b, q.device)
     qg = q.to(dtype).view(b, groups, heads // groups, dk)
@@ -137,6 +139,8 @@ def decode_attention(
     g = gates.to(dtype).view(b, groups, heads // groups, 3, 1)
     o = g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win
     reads = cmp_valid.flatten(1).sum(-1, keepdim=True) + sel_valid.sum(-1) + win_valid.sum(-1, keepdim=True)
+    if reads_out is not None:
+        reads = reads_out.copy_(reads)
     return o.reshape(b, heads, -1).to(q.dtype), reads
 
 

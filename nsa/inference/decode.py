@@ -75,8 +75,7 @@ def _nsa_step(attn: NSAAttention, x, cos, sin, cache: NSALayerCache, positions, 
     q, gates = prep(attn, x, cos, sin, cache, positions)
     if emit:  # skipped (exactly: it would change nothing) when the host knows no block is due
         cache.emit(positions)  # before attending: a block ending at t is visible to t
-    o, reads = decode_attention(q, gates, cache, positions, backend=backend)
-    cache.reads.copy_(reads)
+    o, _ = decode_attention(q, gates, cache, positions, backend=backend, reads_out=cache.reads)
     return attn.wo(o.flatten(1))[:, None]
 
 

@@ -365,8 +365,10 @@ def _chunks_per_program(n_chunks: int, programs: int, device: torch.device) -> i
 def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                             n_cmp: torch.Tensor, k_sel: torch.Tensor, v_sel: torch.Tensor, k_win: torch.Tensor,
                             v_win: torch.Tensor, positions: torch.Tensor, *, geometry: NSAGeometry, scale: float,
-                            selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """o [B,H,Dv] and reads [B,G] for queries q [B,H,Dk] at positions [B]; writes selected [B,G,n_sel].
+                            selected: torch.Tensor, reads: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [B,H,Dv] and reads [B,G] for queries q [B,H,Dk] at positions [B]; writes selected [B,G,n_sel] (and the
+    reads into `reads`, int64 [B,G] with a unit last stride, when given).
 
     k_cmp/v_cmp [B,Nc_max,G,D] hold n_cmp [B] emitted tokens; k_sel..v_win [B,L,G,D] (any strides with a
     unit last dimension) hold every token up to t. Shapes depend only on the cache's capacity, so a step
@@ -397,7 +399,9 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     sacc = torch.empty(bg, n_parts, HP, dims["BLOCK_DV"], **f32)
     sreads = torch.empty(bg, n_parts, device=q.device, dtype=torch.int32)
     o = torch.empty(B, H, Dv, device=q.device, dtype=q.dtype)
-    reads = torch.empty(B, G, device=q.device, dtype=torch.int64)
+    if reads is None:
+        reads = torch.empty(B, G, device=q.device, dtype=torch.int64)
+    assert reads.shape == (B, G) and reads.dtype == torch.int64 and reads.stride() == (G, 1)
     warps = dict(num_warps=4 if q.is_cuda else 1)
     # The ranking kernels' sorting networks exchange keys between threads at every stage: fewer warps, fewer of
     # those exchanges go through shared memory (one warp spills).
