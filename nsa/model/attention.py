@@ -27,15 +27,33 @@ def gates_from_logits(logits: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.sigmoid(logits) if kind == "sigmoid" else torch.softmax(logits, dim=-1)
 
 
+class GateSpreadPenalty(torch.autograd.Function):
+    """Identity on the gate logits z [..., 3] whose backward adds the gradient of
+    weight * mean over rows of sum_c (z_c - mean_c z)^2: the penalty steers training without entering the loss."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.save_for_backward(logits)
+        ctx.weight = weight
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        rows = logits.numel() // logits.shape[-1]
+        centred = logits - logits.mean(-1, keepdim=True)
+        return grad + (2.0 * ctx.weight / rows) * centred, None
+
+
 class GateMLP(nn.Module):
     """g[t, h, c] = sigmoid(MLP(x_t)) (or a softmax over c): one gate per head and branch, in (cmp, sel, win) order.
 
     hidden=0 makes the MLP a single linear map (as in fla-core's NSA layer).
     """
 
-    def __init__(self, dim: int, hidden: int, n_heads: int, kind: str = "sigmoid"):
+    def __init__(self, dim: int, hidden: int, n_heads: int, kind: str = "sigmoid", spread_penalty: float = 0.0):
         super().__init__()
-        self.n_heads, self.kind = n_heads, kind
+        self.n_heads, self.kind, self.spread_penalty = n_heads, kind, spread_penalty
         self.fc1 = nn.Linear(dim, hidden, bias=False) if hidden else None
         self.fc2 = nn.Linear(hidden or dim, n_heads * len(BRANCHES), bias=False)
 
@@ -50,8 +68,11 @@ class GateMLP(nn.Module):
     def finish(self, h: torch.Tensor) -> torch.Tensor:
         """Gates [..., n_heads, 3] from h = first_layer(x)."""
         logits = self.fc2(F.silu(h)) if self.fc1 is not None else h
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return gates_from_logits(logits.view(*h.shape[:-1], self.n_heads, len(BRANCHES)), self.kind)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).view(*h.shape[:-1], self.n_heads,
+                                                                                  len(BRANCHES))
+        if self.spread_penalty and logits.requires_grad:
+            logits = GateSpreadPenalty.apply(logits, self.spread_penalty)
+        return gates_from_logits(logits, self.kind)
 
 
 class NSAAttention(nn.Module):
@@ -77,7 +98,7 @@ class NSAAttention(nn.Module):
                                          nsa.backend)
         self.compress_v = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden,
                                          nsa.backend)
-        self.gate = GateMLP(cfg.dim, nsa.gate_hidden, cfg.n_heads, nsa.gate)
+        self.gate = GateMLP(cfg.dim, nsa.gate_hidden, cfg.n_heads, nsa.gate, nsa.gate_spread_penalty)
 
     @property
     def input_layers(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:

@@ -33,6 +33,11 @@ class NSAParams:
     """Hidden width of the gate MLP that produces one gate per head and branch; 0 makes it one linear layer."""
     gate: Literal["sigmoid", "softmax"] = "sigmoid"
     """How the gate MLP's three logits per head become gates: 'sigmoid' (the paper's), each in (0, 1) on its own, so a layer can switch its attention off; 'softmax' over the three branches, shares that sum to 1."""
+    gate_spread_penalty: float = 0.0
+    """Training only, softmax gates: adds the gradient of this times the mean over (token, head) of the three logits'
+    squared distance from their mean (not the reported loss). A softmax share near zero gets almost no gradient, so a
+    branch whose gate collapses does not come back; this pulls it back. 0: off. A candidate, not yet measured at
+    scale (docs/evaluation.md)."""
     shared_kv: bool = False
     """Share one key/value projection across the three branches (the paper uses separate ones)."""
     backend: Literal["auto", "reference", "triton"] = "auto"
@@ -120,6 +125,11 @@ def _validate_nsa(c: NSAParams) -> None:
         raise ConfigError(f"model.nsa.phi_hidden must be >= 1, got {c.phi_hidden}")
     if c.gate_hidden < 0:
         raise ConfigError(f"model.nsa.gate_hidden must be >= 0 (0: a linear gate), got {c.gate_hidden}")
+    if c.gate_spread_penalty < 0:
+        raise ConfigError(f"model.nsa.gate_spread_penalty must be >= 0 (0: off), got {c.gate_spread_penalty}")
+    if c.gate_spread_penalty and c.gate != "softmax":
+        raise ConfigError("model.nsa.gate_spread_penalty needs softmax gates (sigmoid gates are not shares of one "
+                          "another); set model.nsa.gate=softmax or the penalty to 0")
 
 
 def tiny() -> ModelConfig:

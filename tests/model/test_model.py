@@ -175,3 +175,53 @@ def test_softmax_gates_are_shares_of_the_same_logits_and_sigmoid_gates_are_not()
     assert not torch.allclose(g_sig.sum(-1), torch.ones(2, 5, 4), atol=1e-2)
     logits = torch.log(g_sig / (1 - g_sig))  # the same logits, recovered from the sigmoid
     torch.testing.assert_close(g_soft, torch.softmax(logits, -1), rtol=1e-5, atol=1e-6)
+
+
+def _gate_logits(gate, x):
+    return gate.fc2(torch.nn.functional.silu(gate.fc1(x))).view(*x.shape[:-1], gate.n_heads, 3)
+
+
+def test_the_gate_spread_penalty_adds_its_gradient_and_leaves_the_gates_alone():
+    from nsa.model.attention import GateMLP
+    torch.manual_seed(0)
+    plain, penalised = GateMLP(16, 8, 4, "softmax"), GateMLP(16, 8, 4, "softmax", spread_penalty=0.3)
+    penalised.load_state_dict(plain.state_dict())
+    x, target = torch.randn(2, 5, 16), torch.rand(2, 5, 4, 3)
+    g = penalised(x)
+    assert torch.equal(g, plain(x))  # the forward is untouched
+    ((g - target) ** 2).sum().backward()
+    z = _gate_logits(plain, x)
+    penalty = 0.3 * ((z - z.mean(-1, keepdim=True)) ** 2).sum(-1).mean()  # the same, spelled out in the loss
+    (((plain(x) - target) ** 2).sum() + penalty).backward()
+    for a, b in zip(penalised.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_the_gate_spread_penalty_revives_a_collapsed_branch():
+    # A branch whose logit sits far below the others has a share near zero and, from the loss, a gradient near
+    # zero: it stays collapsed. The penalty alone pulls it back.
+    from nsa.model.attention import GateMLP
+
+    def share_after_steps(penalty: float) -> float:
+        torch.manual_seed(1)
+        gate = GateMLP(16, 0, 4, "softmax", spread_penalty=penalty)  # a linear gate: the logits are fc2(x)
+        x = torch.cat([torch.ones(64, 1), 0.1 * torch.randn(64, 15)], 1)  # feature 0 is constant
+        with torch.no_grad():
+            gate.fc2.weight.view(4, 3, 16)[:, 0, 0] = -8.0  # branch 0 of every head collapsed, for every input
+        opt = torch.optim.SGD(gate.parameters(), lr=0.5)
+        for _ in range(50):
+            opt.zero_grad()
+            (gate(x).sum() * 0.0).backward()  # a loss indifferent to the gates: only the penalty moves them
+            opt.step()
+        return gate(x)[..., 0].mean().item()
+
+    assert share_after_steps(0.0) < 0.02 < 0.1 < share_after_steps(1.0)
+
+
+def test_the_gate_spread_penalty_is_checked():
+    from nsa.errors import ConfigError
+    from nsa.model.config import ModelConfig, NSAParams
+    with pytest.raises(ConfigError, match="gate_spread_penalty needs softmax gates"):
+        ModelConfig(nsa=NSAParams(gate_spread_penalty=0.1)).validate()
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        ModelConfig(nsa=NSAParams(gate="softmax", gate_spread_penalty=-1.0)).validate()
