@@ -74,12 +74,13 @@ class RunSummary:
     val_loss: np.ndarray
     gates: GateSummary | None = None
     gate: str = "sigmoid"
-    """model.nsa.gate of an NSA run."""
+    """The gate variant of an NSA run: model.nsa.gate, and '-spreadP' with model.nsa.gate_spread_penalty P > 0."""
 
     @property
     def kind(self) -> str:
-        """What the runs are grouped by: the attention, and for NSA a gate function other than the default
-        ('nsa-softmax'), so that runs of two model variants are never pooled into one distribution."""
+        """What the runs are grouped by: the attention, and for NSA a gate variant other than the default
+        ('nsa-softmax', 'nsa-softmax-spread0.01'), so that runs of two model variants are never pooled into one
+        distribution."""
         return f"{self.attention}-{self.gate}" if self.attention == "nsa" and self.gate != "sigmoid" else self.attention
 
     @property
@@ -116,8 +117,14 @@ def load_summary(run_dir: Path, name: str) -> RunSummary:
         seed=train.get("seed") if isinstance(train.get("seed"), int) else None,
         last_step=int(last["step"]) if last.get("step") is not None else None, tokens=last.get("tokens"),
         val_tokens=val_tokens, val_loss=val_loss, gates=gate_summary(run),
-        gate=str((model.get("nsa") if isinstance(model.get("nsa"), dict) else {}).get("gate", "sigmoid")),
+        gate=_gate_variant(model.get("nsa") if isinstance(model.get("nsa"), dict) else {}),
     )
+
+
+def _gate_variant(nsa: dict) -> str:
+    """RunSummary.gate from a run's model.nsa settings (absent keys: the defaults)."""
+    penalty = float(nsa.get("gate_spread_penalty") or 0.0)
+    return str(nsa.get("gate", "sigmoid")) + (f"-spread{penalty:g}" if penalty > 0 else "")
 
 
 def gate_summary(run: RunData) -> GateSummary | None:
