@@ -56,8 +56,9 @@ def test_triton_decode_kernel_matches_the_pytorch_path(heads, groups, head_dim):
     assert torch.equal(layer.selected, want_selected)
     assert torch.equal(got_reads, want_reads)
     torch.testing.assert_close(got, want, **TOL)
-    # A decode step has both backends write the reads into the cache's counter itself (no copy after).
-    for backend in ("reference", "triton"):
+    # A decode step has both backends write the reads into the cache's counter itself (no copy after); one shape
+    # suffices (the interpreter's kernel calls are the slow part of this file).
+    for backend in ("reference", "triton") if (heads, head_dim) == (12, 8) else ():
         layer.reads.fill_(-1)
         _, reads = decode_attention(q, gates, layer, t, backend=backend, reads_out=layer.reads)
         assert reads.data_ptr() == layer.reads.data_ptr() and torch.equal(layer.reads, want_reads)
