@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 from triton.runtime.jit import JITFunction
 
-from nsa.bench.attention import GEOMETRY, SHAPES, make_inputs
-from nsa.ops import nsa_attention
+from nsa.bench.attention import SHAPES, eager_calls
 from nsa.ops.triton import launcher
 
 
@@ -121,28 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("host_profile.py: needs a CUDA GPU (it times kernel launches)", file=sys.stderr)
         return 2
-    H, G, Dk, Dv = SHAPES[args.shape]
-    ins = make_inputs(args.length, H, G, Dk, Dv)
-    do = torch.randn(1, args.length, H, Dv, device="cuda", dtype=torch.bfloat16)
-
-    def forward():
-        return nsa_attention(*ins, geometry=GEOMETRY)
-
-    def inference():
-        with torch.no_grad():
-            return forward()
-
-    def forward_backward():
-        for t in ins:
-            t.grad = None
-        forward().backward(do)
-
     timer = LaunchTimer()
+    H, G, Dk, _ = SHAPES[args.shape]
     reports = [f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.shape} {H}/{G}/{Dk}  T={args.length}"
                + ("  (launcher's fast path off)" if args.triton_path else "")]
     with launcher.disabled() if args.triton_path else contextlib.nullcontext():
-        calls = (("forward, no grad", inference), ("forward", forward), ("forward+backward", forward_backward))
-        for name, call in calls:
+        for name, call in eager_calls(args.shape, args.length).items():
             reports.append(profile_call(name, call, args.calls, timer))
     text = "\n\n".join(reports)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ For the M7C shape (nsa.bench.attention) at T = 2048 and 8192, bf16, batch 1:
   (a) nsa_attention's forward output and forward+backward output and gradients, launched through the launcher's fast
       path and through Triton's own path (launcher.disabled()), must be bit-identical (in PyTorch's deterministic
       mode, so that the backward's sums are added in a fixed order);
-  (b) host time per eager call (perf_counter around the call, no synchronization inside; median of 50 after
-      warm-up, synchronized between calls) and GPU time per call (CUDA events), both ways.
+  (b) host time per eager call (nsa.bench.common.host_ms: the GPU kept busy, median of 50) and time per call as
+      a caller sees it (CUDA events, median of 50), both ways.
 Writes OUT_DIR/launch_check.json and prints a table. Exit status 1 if any result differs, 2 without CUDA.
 """
 
@@ -17,53 +17,24 @@ import argparse
 import collections
 import contextlib
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from nsa.bench.attention import GEOMETRY, SHAPES, make_inputs
-from nsa.ops import nsa_attention
+from nsa.bench.attention import SHAPES, eager_calls
+from nsa.bench.common import host_ms, time_cuda
 from nsa.ops.triton import launcher
 
 LENGTHS = (2048, 8192)
 SHAPE = "m7c"
-CALLS, WARMUP = 50, 5
+CALLS = 50
 
 
 def _paths(fast: bool):
     """The launcher as it is (fast path after each key's first launch) or Triton's own path for every launch."""
     return contextlib.nullcontext() if fast else launcher.disabled()
-
-
-class _Calls:
-    """The three eager calls of one length: forward without grad, forward, forward+backward."""
-
-    def __init__(self, T: int) -> None:
-        H, G, Dk, Dv = SHAPES[SHAPE]
-        self.ins = make_inputs(T, H, G, Dk, Dv)
-        gen = torch.Generator("cuda").manual_seed(1)
-        self.do = torch.randn(1, T, H, Dv, generator=gen, device="cuda", dtype=torch.bfloat16)
-
-    def forward(self) -> torch.Tensor:
-        return nsa_attention(*self.ins, geometry=GEOMETRY)
-
-    def inference(self) -> torch.Tensor:
-        with torch.no_grad():
-            return self.forward()
-
-    def forward_backward(self) -> list[torch.Tensor]:
-        for t in self.ins:
-            t.grad = None
-        out = self.forward()
-        out.backward(self.do)
-        return [out.detach()] + [t.grad for t in self.ins]
-
-    def all(self) -> dict[str, Callable]:
-        return {"forward, no grad": self.inference, "forward": self.forward, "forward+backward": self.forward_backward}
 
 
 def _results(call: Callable) -> list[torch.Tensor]:
@@ -90,28 +61,15 @@ def identical(call: Callable) -> dict:
 
 
 def timed(call: Callable, fast: bool) -> dict:
-    """Median host ms (no synchronization inside the timed call) and GPU ms (CUDA events) of one eager call."""
-    host, gpu = [], []
+    """Host ms of one eager call (nsa bench attention's host time: the GPU kept busy, so that no call waits for it)
+    and its ms per call as a caller sees it (CUDA events), both medians."""
     with _paths(fast):
-        for i in range(WARMUP + CALLS):
-            torch.cuda.synchronize()
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            start = time.perf_counter()
-            call()
-            seconds = time.perf_counter() - start
-            end.record()
-            torch.cuda.synchronize()
-            if i >= WARMUP:
-                host.append(seconds * 1e3)
-                gpu.append(begin.elapsed_time(end))
-    return {"host_ms": statistics.median(host), "gpu_ms": statistics.median(gpu)}
+        return {"host_ms": host_ms(call, reps=CALLS), "call_ms": time_cuda(call, min_reps=CALLS, max_reps=CALLS)}
 
 
 def check_length(T: int) -> list[dict]:
-    calls = _Calls(T)
     rows = []
-    for name, call in calls.all().items():
+    for name, call in eager_calls(SHAPE, T).items():
         row = {"T": T, "call": name, **identical(call)}
         for fast in (True, False):
             times = timed(call, fast)
@@ -123,12 +81,12 @@ def check_length(T: int) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'T':>6} {'call':<17} {'same bits':>9} {'launches fast/triton':>20} "
-             f"{'host ms fast':>12} {'triton':>7} {'gpu ms fast':>11} {'triton':>7}"]
+             f"{'host ms fast':>12} {'triton':>7} {'call ms fast':>12} {'triton':>7}"]
     for r in rows:
         launches = f"{r['launches'].get('fast', 0)}/{r['launches'].get('triton', 0)}"
         lines.append(f"{r['T']:>6} {r['call']:<17} {str(r['identical']):>9} {launches:>20} "
-                     f"{r['host_ms_fast']:>12.3f} {r['host_ms_triton']:>7.3f} {r['gpu_ms_fast']:>11.3f} "
-                     f"{r['gpu_ms_triton']:>7.3f}")
+                     f"{r['host_ms_fast']:>12.3f} {r['host_ms_triton']:>7.3f} {r['call_ms_fast']:>12.3f} "
+                     f"{r['call_ms_triton']:>7.3f}")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,6 +50,31 @@ def make_inputs(T: int, H: int, G: int, Dk: int, Dv: int, seed: int = 0, batch: 
            rnd(B, T, G, Dk), rnd(B, T, G, Dv),
            torch.rand(B, T, H, 3, generator=g, device="cuda", dtype=torch.bfloat16)]
     return [t.requires_grad_() for t in ins]
+
+
+def eager_calls(shape: str, T: int) -> dict[str, Callable[[], object]]:
+    """The three eager NSA calls the host-time scripts time, on make_inputs of `shape` at batch 1: 'forward, no grad'
+    and 'forward' (returning o), 'forward+backward' (returning [o, every input's gradient])."""
+    H, G, Dk, Dv = SHAPES[shape]
+    ins = make_inputs(T, H, G, Dk, Dv)
+    do = torch.randn(1, T, H, Dv, generator=torch.Generator("cuda").manual_seed(1), device="cuda",
+                     dtype=torch.bfloat16)
+
+    def forward() -> torch.Tensor:
+        return nsa_attention(*ins, geometry=GEOMETRY)
+
+    def inference() -> torch.Tensor:
+        with torch.no_grad():
+            return forward()
+
+    def forward_backward() -> list[torch.Tensor]:
+        for t in ins:
+            t.grad = None
+        out = forward()
+        out.backward(do)
+        return [out.detach()] + [t.grad for t in ins]
+
+    return {"forward, no grad": inference, "forward": forward, "forward+backward": forward_backward}
 
 
 def _fwd_bwd(forward, tensors):

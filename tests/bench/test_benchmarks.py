@@ -261,9 +261,10 @@ def test_bench_results_go_to_a_git_ignored_folder_by_default():
     assert ignored.returncode == 0
 
 
-def test_host_profile_says_in_one_line_that_it_needs_a_gpu(tmp_path):
+@pytest.mark.parametrize("script", ["host_profile.py", "launch_check.py"])
+def test_launch_timing_scripts_say_in_one_line_that_they_need_a_gpu(tmp_path, script):
     # CI has no CUDA: the script must refuse before touching a kernel, with one line and exit status 2.
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "host_profile.py"), str(tmp_path / "out")],
+    out = subprocess.run([sys.executable, str(BENCHMARKS / script), str(tmp_path / "out")],
                          capture_output=True, text=True, cwd=BENCHMARKS.parent, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip() == "host_profile.py: needs a CUDA GPU (it times kernel launches)"
+    assert out.returncode == 2 and out.stderr.strip() == f"{script}: needs a CUDA GPU (it times kernel launches)"
     assert not (tmp_path / "out").exists()
