@@ -151,6 +151,8 @@ def run(config: str | None, overrides: list[str], contexts: list[int], batches: 
             for a in attentions:
                 # Each row takes minutes with --compile (compiles and graph captures): show it as it lands, and
                 # write the results so far, so that a run cut short keeps every row it measured.
+                print(f"{a}, context {T:,}, batch {b}: prefill, {'compile, ' if compile else ''}capture, time",
+                      flush=True)
                 rows.append(measure(cfg, a, T, b, steps, dev, compile, out_dir if profile else None,
                                     bandwidth * 1e9))
                 print_row(rows[-1], PROGRESS_COLUMNS)

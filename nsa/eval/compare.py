@@ -74,7 +74,8 @@ class RunSummary:
     val_loss: np.ndarray
     gates: GateSummary | None = None
     gate: str = "sigmoid"
-    """The gate variant of an NSA run: model.nsa.gate, and '-spreadP' with model.nsa.gate_spread_penalty P > 0."""
+    """The gate variant of an NSA run: model.nsa.gate, '-spreadP' with model.nsa.gate_spread_penalty P > 0 and
+    '-floorF' with model.nsa.gate_floor F > 0."""
 
     @property
     def kind(self) -> str:
@@ -124,7 +125,9 @@ def load_summary(run_dir: Path, name: str) -> RunSummary:
 def _gate_variant(nsa: dict) -> str:
     """RunSummary.gate from a run's model.nsa settings (absent keys: the defaults)."""
     penalty = float(nsa.get("gate_spread_penalty") or 0.0)
-    return str(nsa.get("gate", "sigmoid")) + (f"-spread{penalty:g}" if penalty > 0 else "")
+    floor = float(nsa.get("gate_floor") or 0.0)
+    return (str(nsa.get("gate", "sigmoid")) + (f"-spread{penalty:g}" if penalty > 0 else "")
+            + (f"-floor{floor:g}" if floor > 0 else ""))
 
 
 def gate_summary(run: RunData) -> GateSummary | None:

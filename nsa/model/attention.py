@@ -45,15 +45,37 @@ class GateSpreadPenalty(torch.autograd.Function):
         return grad + (2.0 * ctx.weight / rows) * centred, None
 
 
+class GateFloor(torch.autograd.Function):
+    """Identity on softmax gate logits z [..., 3] whose backward adds, for every row and every branch c whose share
+    p_c = softmax(z)_c is below `floor`, the gradient of -log p_c averaged over rows: (k * p - below) / rows, with
+    `below` the rows' indicator of those branches and k their count. A row with no share under the floor gets
+    nothing, so gates that stay above it train exactly as without it."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, floor: float) -> torch.Tensor:
+        ctx.save_for_backward(logits)
+        ctx.floor = floor
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (logits,) = ctx.saved_tensors
+        rows = logits.numel() // logits.shape[-1]
+        shares = torch.softmax(logits, dim=-1)
+        below = (shares < ctx.floor).to(shares.dtype)
+        return grad + (below.sum(-1, keepdim=True) * shares - below) / rows, None
+
+
 class GateMLP(nn.Module):
     """g[t, h, c] = sigmoid(MLP(x_t)) (or a softmax over c): one gate per head and branch, in (cmp, sel, win) order.
 
     hidden=0 makes the MLP a single linear map (as in fla-core's NSA layer).
     """
 
-    def __init__(self, dim: int, hidden: int, n_heads: int, kind: str = "sigmoid", spread_penalty: float = 0.0):
+    def __init__(self, dim: int, hidden: int, n_heads: int, kind: str = "sigmoid", spread_penalty: float = 0.0,
+                 floor: float = 0.0):
         super().__init__()
-        self.n_heads, self.kind, self.spread_penalty = n_heads, kind, spread_penalty
+        self.n_heads, self.kind, self.spread_penalty, self.floor = n_heads, kind, spread_penalty, floor
         self.fc1 = nn.Linear(dim, hidden, bias=False) if hidden else None
         self.fc2 = nn.Linear(hidden or dim, n_heads * len(BRANCHES), bias=False)
 
@@ -72,6 +94,8 @@ class GateMLP(nn.Module):
                                                                                   len(BRANCHES))
         if self.spread_penalty and logits.requires_grad:
             logits = GateSpreadPenalty.apply(logits, self.spread_penalty)
+        if self.floor and logits.requires_grad:
+            logits = GateFloor.apply(logits, self.floor)
         return gates_from_logits(logits, self.kind)
 
 
@@ -98,7 +122,8 @@ class NSAAttention(nn.Module):
                                          nsa.backend)
         self.compress_v = BlockCompressor(cfg.head_dim, nsa.block_len, nsa.block_stride, nsa.phi, nsa.phi_hidden,
                                          nsa.backend)
-        self.gate = GateMLP(cfg.dim, nsa.gate_hidden, cfg.n_heads, nsa.gate, nsa.gate_spread_penalty)
+        self.gate = GateMLP(cfg.dim, nsa.gate_hidden, cfg.n_heads, nsa.gate, nsa.gate_spread_penalty,
+                            nsa.gate_floor)
 
     @property
     def input_layers(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:

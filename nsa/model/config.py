@@ -36,8 +36,13 @@ class NSAParams:
     gate_spread_penalty: float = 0.0
     """Training only, softmax gates: adds the gradient of this times the mean over (token, head) of the three logits'
     squared distance from their mean (not the reported loss). A softmax share near zero gets almost no gradient, so a
-    branch whose gate collapses does not come back; this pulls it back. 0: off. A candidate, not yet measured at
-    scale (docs/evaluation.md)."""
+    branch whose gate collapses does not come back; this pulls it back, but it also pulls healthy gates toward
+    uniform, and on the retrieval recipe it cost the task in some seeds (docs/evaluation.md). 0: off."""
+    gate_floor: float = 0.0
+    """Training only, softmax gates: wherever a branch's share at a (token, head) is below this, the backward adds
+    the gradient of -log(share), averaged over (token, head) (not the reported loss), which pulls a collapsed branch
+    back; shares above it get nothing, so gates that never fall that low train exactly as without it. Below 1/3;
+    0: off. Not yet run over the retrieval grid (docs/evaluation.md)."""
     shared_kv: bool = False
     """Share one key/value projection across the three branches (the paper uses separate ones)."""
     backend: Literal["auto", "reference", "triton"] = "auto"
@@ -130,6 +135,11 @@ def _validate_nsa(c: NSAParams) -> None:
     if c.gate_spread_penalty and c.gate != "softmax":
         raise ConfigError("model.nsa.gate_spread_penalty needs softmax gates (sigmoid gates are not shares of one "
                           "another); set model.nsa.gate=softmax or the penalty to 0")
+    if not 0 <= c.gate_floor < 1 / 3:
+        raise ConfigError(f"model.nsa.gate_floor must be in [0, 1/3) (three shares sum to 1; 0: off), got {c.gate_floor}")
+    if c.gate_floor and c.gate != "softmax":
+        raise ConfigError("model.nsa.gate_floor needs softmax gates (a floor on shares of one another); set "
+                          "model.nsa.gate=softmax or the floor to 0")
 
 
 def tiny() -> ModelConfig:

@@ -504,7 +504,7 @@ def test_compare_two_runs(runs, tmp_path):
 
 def fake_run(root: Path, name: str, attention: str, seed: int, final_val: float, gates=None,
              correct: dict[int, list[int]] | None = None, samples: int = 4, old_csv: bool = False,
-             gate: str | None = None, spread_penalty: float = 0.0) -> Path:
+             gate: str | None = None, spread_penalty: float = 0.0, gate_floor: float = 0.0) -> Path:
     """A run folder with metrics.csv and config.yaml; gates: nsa_stats.jsonl's gate means per layer; correct:
     eval/eval.csv of passkey, per length the correct answers at each depth (of `samples`), without the correct
     and interval columns when old_csv (as `nsa eval` wrote it before it had them)."""
@@ -518,6 +518,8 @@ def fake_run(root: Path, name: str, attention: str, seed: int, final_val: float,
     gate_line = f"  nsa:\n    gate: {gate}\n" if gate else ""
     if spread_penalty:
         gate_line += f"    gate_spread_penalty: {spread_penalty}\n"
+    if gate_floor:
+        gate_line += f"    gate_floor: {gate_floor}\n"
     (run / "config.yaml").write_text(f"model:\n  attention: {attention}\n{gate_line}train:\n  seed: {seed}\n")
     if gates is not None:
         layers = [{"layer": i, "gate_mean": g, "gate_std": [0.1] * 3, "sel_distance_mean": 100.0,
@@ -607,11 +609,13 @@ def test_compare_never_pools_nsa_runs_of_another_gate_function(tmp_path, capsys)
     assert "NSA (nsa-softmax)'s mean validation loss is 0.5000 nats lower" in text
 
 
-def test_compare_keeps_runs_with_the_gate_spread_penalty_apart(tmp_path):
+def test_compare_keeps_runs_with_the_gate_spread_penalty_or_floor_apart(tmp_path):
     runs = [fake_run(tmp_path, "soft", "nsa", 1, 1.0, gate="softmax"),
-            fake_run(tmp_path, "spread", "nsa", 1, 0.5, gate="softmax", spread_penalty=0.01)]
+            fake_run(tmp_path, "spread", "nsa", 1, 0.5, gate="softmax", spread_penalty=0.01),
+            fake_run(tmp_path, "floor", "nsa", 1, 0.25, gate="softmax", gate_floor=0.02)]
     text = render_compare(runs, tmp_path / "out").read_text()
     assert "| nsa-softmax | 1 | 1 | 1.0000 |" in text and "| nsa-softmax-spread0.01 | 1 | 1 | 0.5000 |" in text
+    assert "| nsa-softmax-floor0.02 | 1 | 1 | 0.2500 |" in text
 
 
 def test_compare_gives_the_margin_in_percent_only_where_dense_loss_is_not_near_zero(tmp_path):

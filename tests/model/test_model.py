@@ -218,6 +218,51 @@ def test_the_gate_spread_penalty_revives_a_collapsed_branch():
     assert share_after_steps(0.0) < 0.02 < 0.1 < share_after_steps(1.0)
 
 
+def test_the_gate_floor_leaves_gates_above_it_alone_and_pulls_a_share_below_it():
+    from nsa.model.attention import GateMLP
+    torch.manual_seed(0)
+    plain, floored = GateMLP(16, 0, 4, "softmax"), GateMLP(16, 0, 4, "softmax", floor=0.02)  # linear: z = fc2(x)
+    floored.load_state_dict(plain.state_dict())
+    x, target = torch.cat([torch.ones(2, 5, 1), torch.randn(2, 5, 15)], -1), torch.rand(2, 5, 4, 3)
+
+    def grads(gate, extra=lambda g: 0.0):
+        gate.zero_grad()
+        g = gate(x)
+        (((g - target) ** 2).sum() + extra(g)).backward()
+        return gate.fc2.weight.grad.clone()
+
+    assert plain(x).min() > 0.02
+    assert torch.equal(grads(floored), grads(plain))  # no share under the floor: exactly the loss's gradient
+    with torch.no_grad():
+        for gate in (plain, floored):
+            gate.fc2.weight.view(4, 3, 16)[0, 1, 0] = -10.0  # head 0's branch 1 collapsed, for every token
+    shares = plain(x)
+    assert (shares[..., 0, 1] < 0.02).all() and (shares[..., 1:, :] > 0.02).all()
+    # The floor's term spelled out in the loss: -log of each share under 0.02, averaged over (token, head) rows.
+    spelled = grads(plain, lambda g: -(torch.log(g) * (g.detach() < 0.02)).sum() / (2 * 5 * 4))
+    torch.testing.assert_close(grads(floored), spelled)
+    assert not torch.allclose(grads(floored), grads(plain))
+
+
+def test_the_gate_floor_revives_a_collapsed_branch():
+    from nsa.model.attention import GateMLP
+
+    def share_after_steps(floor: float) -> float:
+        torch.manual_seed(1)
+        gate = GateMLP(16, 0, 4, "softmax", floor=floor)  # a linear gate: the logits are fc2(x)
+        x = torch.cat([torch.ones(64, 1), 0.1 * torch.randn(64, 15)], 1)  # feature 0 is constant
+        with torch.no_grad():
+            gate.fc2.weight.view(4, 3, 16)[:, 0, 0] = -8.0  # branch 0 of every head collapsed, for every input
+        opt = torch.optim.Adam(gate.parameters(), lr=0.05)
+        for _ in range(100):
+            opt.zero_grad()
+            (gate(x).sum() * 0.0).backward()  # a loss indifferent to the gates: only the floor moves them
+            opt.step()
+        return gate(x)[..., 0].min().item()
+
+    assert share_after_steps(0.0) < 0.001 and share_after_steps(0.02) > 0.01
+
+
 def test_the_gate_spread_penalty_is_checked():
     from nsa.errors import ConfigError
     from nsa.model.config import ModelConfig, NSAParams
@@ -225,3 +270,8 @@ def test_the_gate_spread_penalty_is_checked():
         ModelConfig(nsa=NSAParams(gate_spread_penalty=0.1)).validate()
     with pytest.raises(ConfigError, match="must be >= 0"):
         ModelConfig(nsa=NSAParams(gate="softmax", gate_spread_penalty=-1.0)).validate()
+    with pytest.raises(ConfigError, match="gate_floor needs softmax gates"):
+        ModelConfig(nsa=NSAParams(gate_floor=0.02)).validate()
+    with pytest.raises(ConfigError, match=r"gate_floor must be in \[0, 1/3\)"):
+        ModelConfig(nsa=NSAParams(gate="softmax", gate_floor=0.4)).validate()
+    ModelConfig(nsa=NSAParams(gate="softmax", gate_floor=0.02)).validate()
