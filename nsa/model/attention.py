@@ -27,43 +27,34 @@ def gates_from_logits(logits: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.sigmoid(logits) if kind == "sigmoid" else torch.softmax(logits, dim=-1)
 
 
-class GateSpreadPenalty(torch.autograd.Function):
-    """Identity on the gate logits z [..., 3] whose backward adds the gradient of
-    weight * mean over rows of sum_c (z_c - mean_c z)^2: the penalty steers training without entering the loss."""
+class GatePull(torch.autograd.Function):
+    """Identity on softmax gate logits z [..., 3] whose backward adds pulls that steer training without entering
+    the reported loss, each the gradient of a term averaged over rows (token, head):
+
+    - spread: spread * sum_c (z_c - mean_c z)^2, toward equal logits;
+    - floor: -log p_c for every branch c whose share p_c = softmax(z)_c is below `floor`, i.e. k * p - below with
+      `below` the row's indicator of those branches and k their count. A row with no share under the floor gets
+      nothing, so gates that stay above it train exactly as without it.
+    """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, weight: float) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, spread: float, floor: float) -> torch.Tensor:
         ctx.save_for_backward(logits)
-        ctx.weight = weight
+        ctx.spread, ctx.floor = spread, floor
         return logits.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (logits,) = ctx.saved_tensors
+        pull = torch.zeros_like(logits)
+        if ctx.spread:
+            pull += 2.0 * ctx.spread * (logits - logits.mean(-1, keepdim=True))
+        if ctx.floor:
+            shares = torch.softmax(logits, dim=-1)
+            below = (shares < ctx.floor).to(shares.dtype)
+            pull += below.sum(-1, keepdim=True) * shares - below
         rows = logits.numel() // logits.shape[-1]
-        centred = logits - logits.mean(-1, keepdim=True)
-        return grad + (2.0 * ctx.weight / rows) * centred, None
-
-
-class GateFloor(torch.autograd.Function):
-    """Identity on softmax gate logits z [..., 3] whose backward adds, for every row and every branch c whose share
-    p_c = softmax(z)_c is below `floor`, the gradient of -log p_c averaged over rows: (k * p - below) / rows, with
-    `below` the rows' indicator of those branches and k their count. A row with no share under the floor gets
-    nothing, so gates that stay above it train exactly as without it."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, floor: float) -> torch.Tensor:
-        ctx.save_for_backward(logits)
-        ctx.floor = floor
-        return logits.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (logits,) = ctx.saved_tensors
-        rows = logits.numel() // logits.shape[-1]
-        shares = torch.softmax(logits, dim=-1)
-        below = (shares < ctx.floor).to(shares.dtype)
-        return grad + (below.sum(-1, keepdim=True) * shares - below) / rows, None
+        return grad + pull / rows, None, None
 
 
 class GateMLP(nn.Module):
@@ -92,10 +83,8 @@ class GateMLP(nn.Module):
         logits = self.fc2(F.silu(h)) if self.fc1 is not None else h
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).view(*h.shape[:-1], self.n_heads,
                                                                                   len(BRANCHES))
-        if self.spread_penalty and logits.requires_grad:
-            logits = GateSpreadPenalty.apply(logits, self.spread_penalty)
-        if self.floor and logits.requires_grad:
-            logits = GateFloor.apply(logits, self.floor)
+        if (self.spread_penalty or self.floor) and logits.requires_grad:
+            logits = GatePull.apply(logits, self.spread_penalty, self.floor)
         return gates_from_logits(logits, self.kind)
 
 

@@ -197,27 +197,6 @@ def test_the_gate_spread_penalty_adds_its_gradient_and_leaves_the_gates_alone():
         torch.testing.assert_close(a.grad, b.grad)
 
 
-def test_the_gate_spread_penalty_revives_a_collapsed_branch():
-    # A branch whose logit sits far below the others has a share near zero and, from the loss, a gradient near
-    # zero: it stays collapsed. The penalty alone pulls it back.
-    from nsa.model.attention import GateMLP
-
-    def share_after_steps(penalty: float) -> float:
-        torch.manual_seed(1)
-        gate = GateMLP(16, 0, 4, "softmax", spread_penalty=penalty)  # a linear gate: the logits are fc2(x)
-        x = torch.cat([torch.ones(64, 1), 0.1 * torch.randn(64, 15)], 1)  # feature 0 is constant
-        with torch.no_grad():
-            gate.fc2.weight.view(4, 3, 16)[:, 0, 0] = -8.0  # branch 0 of every head collapsed, for every input
-        opt = torch.optim.SGD(gate.parameters(), lr=0.5)
-        for _ in range(50):
-            opt.zero_grad()
-            (gate(x).sum() * 0.0).backward()  # a loss indifferent to the gates: only the penalty moves them
-            opt.step()
-        return gate(x)[..., 0].mean().item()
-
-    assert share_after_steps(0.0) < 0.02 < 0.1 < share_after_steps(1.0)
-
-
 def test_the_gate_floor_leaves_gates_above_it_alone_and_pulls_a_share_below_it():
     from nsa.model.attention import GateMLP
     torch.manual_seed(0)
@@ -244,23 +223,26 @@ def test_the_gate_floor_leaves_gates_above_it_alone_and_pulls_a_share_below_it()
     assert not torch.allclose(grads(floored), grads(plain))
 
 
-def test_the_gate_floor_revives_a_collapsed_branch():
+@pytest.mark.parametrize("pull", [{"spread_penalty": 1.0}, {"floor": 0.02}], ids=["spread", "floor"])
+def test_a_gate_pull_revives_a_collapsed_branch(pull):
+    # A branch whose logit sits far below the others has a share near zero and, from the loss, a gradient near
+    # zero: it stays collapsed. The pull alone brings it back.
     from nsa.model.attention import GateMLP
 
-    def share_after_steps(floor: float) -> float:
+    def share_after_steps(pulled: bool) -> float:
         torch.manual_seed(1)
-        gate = GateMLP(16, 0, 4, "softmax", floor=floor)  # a linear gate: the logits are fc2(x)
+        gate = GateMLP(16, 0, 4, "softmax", **(pull if pulled else {}))  # a linear gate: the logits are fc2(x)
         x = torch.cat([torch.ones(64, 1), 0.1 * torch.randn(64, 15)], 1)  # feature 0 is constant
         with torch.no_grad():
             gate.fc2.weight.view(4, 3, 16)[:, 0, 0] = -8.0  # branch 0 of every head collapsed, for every input
         opt = torch.optim.Adam(gate.parameters(), lr=0.05)
         for _ in range(100):
             opt.zero_grad()
-            (gate(x).sum() * 0.0).backward()  # a loss indifferent to the gates: only the floor moves them
+            (gate(x).sum() * 0.0).backward()  # a loss indifferent to the gates: only the pull moves them
             opt.step()
         return gate(x)[..., 0].min().item()
 
-    assert share_after_steps(0.0) < 0.001 and share_after_steps(0.02) > 0.01
+    assert share_after_steps(False) < 0.001 and share_after_steps(True) > 0.01
 
 
 def test_the_gate_spread_penalty_is_checked():
