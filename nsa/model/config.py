@@ -136,7 +136,8 @@ def _validate_nsa(c: NSAParams) -> None:
         raise ConfigError("model.nsa.gate_spread_penalty needs softmax gates (sigmoid gates are not shares of one "
                           "another); set model.nsa.gate=softmax or the penalty to 0")
     if not 0 <= c.gate_floor < 1 / 3:
-        raise ConfigError(f"model.nsa.gate_floor must be in [0, 1/3) (three shares sum to 1; 0: off), got {c.gate_floor}")
+        raise ConfigError(f"model.nsa.gate_floor must be in [0, 1/3) (three shares sum to 1; 0: off), "
+                          f"got {c.gate_floor}")
     if c.gate_floor and c.gate != "softmax":
         raise ConfigError("model.nsa.gate_floor needs softmax gates (a floor on shares of one another); set "
                           "model.nsa.gate=softmax or the floor to 0")
