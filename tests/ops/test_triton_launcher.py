@@ -264,3 +264,15 @@ def test_launch_equals_a_direct_launch():
         assert torch.equal(routed, direct)
     if device == "cpu":
         assert launcher._launcher_of(_scale_kernel) is None  # the interpreter's kernels take Triton's path
+
+
+def test_every_triton_kernel_of_the_package_launches_through_the_launcher():
+    # A `kernel[grid](...)` call in nsa/ops/triton pays Triton's full host cost at every eager launch.
+    import re
+    from pathlib import Path
+
+    folder = Path(launcher.__file__).parent
+    direct = [f"{path.name}:{number}" for path in sorted(folder.glob("*.py")) if path.name != "launcher.py"
+              for number, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"\b_\w+_kernel\[", line)]
+    assert not direct, f"launched without nsa.ops.triton.launcher.launch: {direct}"

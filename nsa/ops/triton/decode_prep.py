@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launcher
 from .common import next_power_of_two
 
 
@@ -151,7 +152,7 @@ def decode_prep(rows: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     q = torch.empty(B, H, D, device=rows.device, dtype=rows.dtype)
     gates = torch.empty(B, H, 3, device=rows.device, dtype=rows.dtype)
     table = gate_out if gate_out is not None else rows  # never read for a linear gate
-    _decode_prep_kernel[(B, 2 + S)](
+    launcher.launch(_decode_prep_kernel, (B, 2 + S),
         rows, positions, cos, sin, table, q, gates, k, v,
         rows.stride(0), cos.stride(0), sin.stride(0), table.stride(0), q.stride(0), q.stride(1),
         gates.stride(0), gates.stride(1), *k.stride()[:4], *v.stride()[:4], k.shape[2],
