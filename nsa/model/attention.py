@@ -28,13 +28,14 @@ def gates_from_logits(logits: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 class GatePull(torch.autograd.Function):
-    """Identity on softmax gate logits z [..., 3] whose backward adds pulls that steer training without entering
-    the reported loss, each the gradient of a term averaged over rows (token, head):
+    """Identity on softmax gate logits z [..., n_heads, 3] whose backward adds pulls that steer training without
+    entering the reported loss, each the gradient of a term (averaged over rows (token, head) for the spread):
 
-    - spread: spread * sum_c (z_c - mean_c z)^2, toward equal logits;
-    - floor: -log p_c for every branch c whose share p_c = softmax(z)_c is below `floor`, i.e. k * p - below with
-      `below` the row's indicator of those branches and k their count. A row with no share under the floor gets
-      nothing, so gates that stay above it train exactly as without it.
+    - spread: spread * sum_c (z_c - mean_c z)^2 per row, toward equal logits;
+    - floor: -log m_hc, averaged over heads h, for every branch c whose share averaged over the tokens,
+      m_hc = mean_t p_thc with p = softmax(z), is below `floor`. A head that gives a branch little weight at some
+      tokens and more at others gets nothing; only a branch the head has switched off almost everywhere (a
+      collapse) is pulled back, until its mean share reaches the floor.
     """
 
     @staticmethod
@@ -50,11 +51,21 @@ class GatePull(torch.autograd.Function):
         if ctx.spread:
             pull += 2.0 * ctx.spread * (logits - logits.mean(-1, keepdim=True))
         if ctx.floor:
-            shares = torch.softmax(logits, dim=-1)
-            below = (shares < ctx.floor).to(shares.dtype)
-            pull += below.sum(-1, keepdim=True) * shares - below
+            pull += mean_share_floor_pull(logits, ctx.floor)
         rows = logits.numel() // logits.shape[-1]
         return grad + pull / rows, None, None
+
+
+def mean_share_floor_pull(logits: torch.Tensor, floor: float) -> torch.Tensor:
+    """rows * d/dz of (1/n_heads) sum_{h,c: m_hc < floor} -log m_hc, for logits z [..., n_heads, 3] with
+    rows = z.numel() / 3 and m_hc the share p = softmax(z) of branch c at head h averaged over the tokens (every
+    leading dimension): with a = p * below / m, the gradient at a row is (p_j * sum_c a_c - a_j) / rows.
+    """
+    shares = torch.softmax(logits, dim=-1)
+    means = shares.mean(dim=tuple(range(logits.dim() - 2)))  # [n_heads, 3]
+    weight = (means < floor).to(shares.dtype) / means.clamp_min(torch.finfo(shares.dtype).tiny)
+    pulled = shares * weight
+    return shares * pulled.sum(-1, keepdim=True) - pulled
 
 
 class GateMLP(nn.Module):

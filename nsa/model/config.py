@@ -39,10 +39,12 @@ class NSAParams:
     branch whose gate collapses does not come back; this pulls it back, but it also pulls healthy gates toward
     uniform, and on the retrieval recipe it cost the task in some seeds (docs/evaluation.md). 0: off."""
     gate_floor: float = 0.0
-    """Training only, softmax gates: wherever a branch's share at a (token, head) is below this, the backward adds
-    the gradient of -log(share), averaged over (token, head) (not the reported loss), which pulls a collapsed branch
-    back; shares above it get nothing, so gates that never fall that low train exactly as without it. Below 1/3;
-    0: off. Not yet run over the retrieval grid (docs/evaluation.md)."""
+    """Training only, softmax gates: wherever a head's share of a branch, averaged over the tokens of the batch, is
+    below this (the branch is switched off almost everywhere: a collapse), the backward adds the gradient of
+    -log(that mean share), averaged over heads (not the reported loss), which pulls the branch back up to the floor.
+    A head that gives a branch little weight at some tokens and more at others gets nothing, so gates that do not
+    collapse train exactly as without it. Below 1/3; 0: off. Not yet run over the retrieval grid
+    (docs/evaluation.md)."""
     shared_kv: bool = False
     """Share one key/value projection across the three branches (the paper uses separate ones)."""
     backend: Literal["auto", "reference", "triton"] = "auto"
