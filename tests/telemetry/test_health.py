@@ -288,3 +288,44 @@ def test_a_training_run_warns_about_collapsed_gates_only_when_they_are(forced, t
     else:
         assert 0.1 < means.min() and means.max() < 0.9
         assert warnings == [] and printed == []
+
+
+def switch_off_compressed_branch(model: Transformer) -> None:
+    """Set every NSA layer's softmax gate so that the compressed branch's share is ~0 for any input and the other
+    two share the rest: the hidden units come in pairs (w, -w) whose silu outputs sum to a * tanh(a / 2) >= 0, and
+    the output layer weighs each of them -5 for the compressed logit and 0 for the others (logits near -20)."""
+    with torch.no_grad():
+        for block in model.layers:
+            gate = block.attn.gate
+            half = gate.fc1.out_features // 2
+            w = torch.randn(half, gate.fc1.in_features) / gate.fc1.in_features ** 0.5
+            gate.fc1.weight.copy_(torch.cat([w, -w]))
+            rows = gate.fc2.weight.view(-1, 3, gate.fc1.out_features)  # [heads, branch, hidden]
+            rows[:, 0].fill_(-5.0)
+            rows[:, 1:].zero_()
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.02], ids=["no-floor", "floor"])
+def test_the_gate_floor_brings_a_switched_off_branch_back_in_training(floor, tmp_path, monkeypatch):
+    """A short retrieval run whose softmax gates start with the compressed branch switched off in every layer: the
+    loss alone leaves it off (a share near 0 has a gradient near 0); with model.nsa.gate_floor the trainer's health
+    records show it back in every layer."""
+    from nsa.config import load_config
+    from nsa.train import loop
+
+    class SwitchedOff(Transformer):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            switch_off_compressed_branch(self)
+
+    monkeypatch.setattr(loop, "Transformer", SwitchedOff)
+    loop.train(load_config(None, RETRIEVAL_RUN + [
+        f"train.out_dir={tmp_path}", "train.run_name=run", "model.nsa.gate=softmax", f"model.nsa.gate_floor={floor}",
+        "train.steps=20", "train.lr=3e-3", "telemetry.health_every=5"]))
+    records = [json.loads(line) for line in (tmp_path / "run" / "nsa_stats.jsonl").read_text().splitlines()]
+    compressed = np.array([[layer["gate_mean"][0] for layer in r["layers"]] for r in records])  # [records, layers]
+    assert len(records) == 5
+    if floor:
+        assert (compressed.mean(0) > 0.02).all() and (compressed[1:].max(0) > 0.04).all()
+    else:
+        assert compressed.max() < 1e-3
