@@ -8,18 +8,18 @@ group) would leave the GPU nearly idle at batch 1. The work is split instead, in
      to the chunk's selection blocks (and to the next chunk's: a compressed token can reach across a
      chunk edge). A program takes 1 to 8 consecutive chunks in a pipelined loop: several where the
      grid would otherwise hold thousands of programs (batch 16), one at batch 1;
-  B. one program per (sequence, group): merges the chunks into the compressed output and lse,
-     rescales every chunk's contributions to exp(s - lse), sums the heads, and keeps a running
-     top-n with the forced blocks (the same int64 ranking keys as the training selection).
-     With more than one group of CT chunks (contexts past CT*K*l' tokens), the ranking is split
-     in two, so that no program walks every chunk in series: B1, one program per (group of CT chunks, sequence,
-     group), computes the lse from the chunks' (max, sum) alone,
-     keeps its chunks' own top K and merges their compressed partials into one; B2 merges the groups'
-     compressed partials into the output and their top-K lists. The global top n is among the groups'
-     top K, so the choice is the same;
-  C. one program per (chosen block or window tile, sequence, group): a partial softmax over
-     those raw tokens (only tokens <= t);
-  D. one program per (sequence, group, 16 output columns): merges the selected and window partials
+  B. one program per (sequence, group): merges the chunks' (max, sum) into the compressed lse, rescales
+     every chunk's contributions to exp(s - lse), sums the heads, and keeps a running top-n with the forced
+     blocks (the same int64 ranking keys as the training selection). With more than one group of CT chunks
+     (contexts past CT*K*l' tokens), no program walks every chunk in series: one program per (group of CT
+     chunks, sequence, group) computes the lse from the chunks' (max, sum) alone, keeps its chunks' own top K and
+     merges their compressed partials into one; the global top n is among the groups' top K, so the choice is
+     the same, and the merge of the groups' lists happens in C;
+  C. one program per (chosen block or window tile, sequence, group): a partial softmax over those raw tokens
+     (only tokens <= t). With groups, each chosen-block program first merges the groups' top-K lists itself (the
+     same keys give every program the same list) and takes its block from it: a launch fewer than a merge of
+     its own;
+  D. one program per (sequence, group, 16 output columns): merges the compressed, selected and window partials
      and forms the gated sum; it also counts the key/value tokens read.
 Only the compressed stream, the chosen blocks and the window are loaded: Nc(t) + n*l' + w tokens.
 Partials hold the h real heads only (their readers mask the padded rows), and the ranking kernels run
@@ -148,18 +148,6 @@ def _lse2(m_i, l_i):
 
 
 @triton.jit
-def _compressed_output(PM, PL, PACC, OCMP, pid, NCH, h, HP: tl.constexpr, BLOCK_DV: tl.constexpr,
-                       PT: tl.constexpr):
-    """Merge program pid's NCH partials (chunks, or groups of chunks) into the compressed branch's output
-    (stored to OCMP); its lse."""
-    rh, dv = tl.arange(0, HP), tl.arange(0, BLOCK_DV)
-    m_i, l_i, acc = merge_partials(PM, PL, PACC, pid * NCH, NCH, h, HP, BLOCK_DV, PT, 0, BLOCK_DV)
-    tl.store(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :],
-             acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
-    return _lse2(m_i, l_i)
-
-
-@triton.jit
 def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr):
     """Ranking keys [1, CT*K] of the selection blocks of chunks c0 .. c0+CT-1: the Eq. 9 scores rescaled to
     exp(s - lse) and summed over the heads, as score bits * 2^32 + (2^32 - 1 - j) (ties go to the lower
@@ -183,14 +171,20 @@ def _chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP: tl.constexpr, K: tl.c
 
 
 @triton.jit
-def _store_chosen(best, IDX, b, g, sib, sig, n_sel, K: tl.constexpr):
-    """The top n_sel of `best` [1, K] (sorted by key, descending), as block indices in ascending order."""
+def _chosen_blocks(best, n_sel, K: tl.constexpr):
+    """The top n_sel of `best` [1, K] (sorted by key, descending) as block indices [K] in ascending order, -1 in
+    the slots past them."""
     jj = tl.arange(0, K)
     top = tl.reshape(best, [K])
     chosen = tl.where((top >= 0) & (jj < n_sel), 4294967295 - (top & 4294967295), -1)
     BIG: tl.constexpr = 2147483647
     chosen = tl.sort(tl.where(chosen >= 0, chosen, BIG).to(tl.int32))  # block indices fit: half the sort's work
-    chosen = tl.where(chosen == BIG, -1, chosen).to(tl.int64)
+    return tl.where(chosen == BIG, -1, chosen).to(tl.int64)
+
+
+@triton.jit
+def _store_chosen(chosen, IDX, b, g, sib, sig, n_sel, K: tl.constexpr):
+    jj = tl.arange(0, K)
     tl.store(IDX + b * sib + g * sig + jj, chosen, mask=jj < n_sel)
 
 
@@ -241,46 +235,42 @@ def _group_lists(PK, pid, NCG, c0, K: tl.constexpr, CT: tl.constexpr):
 
 
 @triton.jit
-def _select_merge_kernel(
-    GM, GL, GACC, PK, POS, OCMP, IDX,
-    sib, sig, G, h, NCG, sel_block, n_sel,
-    HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b, g, _, j_t = _sequence(pid, G, POS, sel_block)
-    _compressed_output(GM, GL, GACC, OCMP, pid, NCG, h, HP, BLOCK_DV, PT)
-    # CT groups' lists make one tile; groups past t's hold only -1. Only the running top K is kept: a top K of
-    # each tile merged into it (a top CT*K of the tile joined to the list sorted four times as many keys). The
-    # first tile needs no merge; up to 64k tokens it is the only one.
+def _merged_top(PK, pid, NCG, j_t, K: tl.constexpr, CT: tl.constexpr):
+    """The top K [1, K] (sorted by key, descending) of the NCG groups' lists of (sequence, group) program pid.
+    CT groups' lists make one tile; groups past t's hold only -1. Only the running top K is kept: a top K of each
+    tile merged into it (a top CT*K of the tile joined to the list sorted four times as many keys). The first
+    tile needs no merge; up to 64k tokens it is the only one."""
     best = tl.topk(_group_lists(PK, pid, NCG, 0, K, CT), K)
     for c0 in range(CT, tl.minimum(NCG, (j_t // K) // CT + 1), CT):
         best = merge_top(best, tl.topk(_group_lists(PK, pid, NCG, c0, K, CT), K))
-    _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
+    return best
 
 
 @triton.jit
 def _select_kernel(
-    PM, PL, PACC, PSC, POS, OCMP, IDX,
+    PM, PSC, PL, POS, IDX,
     sib, sig, G, h, NCH, sel_block, n_sel,
-    HP: tl.constexpr, BLOCK_DV: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
+    HP: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, PT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b, g, _, j_t = _sequence(pid, G, POS, sel_block)
     first = pid * NCH
-    lse2 = _compressed_output(PM, PL, PACC, OCMP, pid, NCH, h, HP, BLOCK_DV, PT)
+    m_i, l_i = _merge_stats(PM, PL, first, NCH, h, HP, PT)
+    lse2 = _lse2(m_i, l_i)
     best = tl.topk(_chunk_keys(PM, PSC, first, 0, NCH, lse2, j_t, h, HP, K, CT), K)
     for c0 in range(CT, j_t // K + 1, CT):
         best = merge_top(best, tl.topk(_chunk_keys(PM, PSC, first, c0, NCH, lse2, j_t, h, HP, K, CT), K))
-    _store_chosen(best, IDX, b, g, sib, sig, n_sel, K)
+    _store_chosen(_chosen_blocks(best, n_sel, K), IDX, b, g, sib, sig, n_sel, K)
 
 
 @triton.jit
 def _span_kernel(
-    Q, KS, VS, KW, VW, POS, IDX, PM, PL, PACC, PR,
+    Q, KS, VS, KW, VW, POS, IDX, PK, PM, PL, PACC, PR,
     sqb, sqh, ssb, sst, ssg, swb, swt, swg, sib, sig,
-    G, h, NP, scale_log2, sel_block, n_sel, window,
+    G, h, NP, NCG, scale_log2, sel_block, n_sel, window,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HP: tl.constexpr, BLOCK_N: tl.constexpr, K: tl.constexpr, CT: tl.constexpr, RANK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     i = tl.program_id(0)
     pid = tl.program_id(1)
@@ -291,7 +281,13 @@ def _span_kernel(
     row_ok = rh < h
     q = load_tile(Q + b * sqb, (g * h + tl.where(row_ok, rh, 0)).to(tl.int64) * sqh, dk, row_ok, DK)
     if i < n_sel:  # one chosen block
-        blk = tl.load(IDX + b * sib + g * sig + i)
+        if RANK:  # the groups' lists merged here (B's last step); program 0 records the choice
+            chosen = _chosen_blocks(_merged_top(PK, pid, NCG, t // sel_block, K, CT), n_sel, K)
+            if i == 0:
+                _store_chosen(chosen, IDX, b, g, sib, sig, n_sel, K)
+            blk = tl.sum(tl.where(tl.arange(0, K) == i, chosen, 0))
+        else:
+            blk = tl.load(IDX + b * sib + g * sig + i)
         start = tl.where(blk >= 0, blk * sel_block, t + 1)  # an unused slot covers nothing
         stop = start + sel_block
         kp, vp, stride = KS + b * ssb + g * ssg, VS + b * ssb + g * ssg, sst
@@ -317,11 +313,11 @@ def _span_kernel(
 
 @triton.jit
 def _combine_kernel(
-    GATE, NCMP, OCMP, PM, PL, PACC, PR, O, READS,
+    GATE, NCMP, CM, CL, CACC, PM, PL, PACC, PR, O, READS,
     sgb, sgh, sgc, sob, soh,
-    G, h, NP, n_sel,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr, HP: tl.constexpr, PS: tl.constexpr, PW: tl.constexpr,
-    DVT: tl.constexpr, NPP: tl.constexpr,
+    G, h, NCP, NP, n_sel,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, HP: tl.constexpr, PC: tl.constexpr, PS: tl.constexpr,
+    PW: tl.constexpr, DVT: tl.constexpr, NPP: tl.constexpr,
 ):
     # One program per (sequence, group, DVT output columns): each merges every partial in one load per branch
     # instead of one program per (sequence, group) walking them in series.
@@ -332,11 +328,13 @@ def _combine_kernel(
     rh, dv = tl.arange(0, HP), c0 + tl.arange(0, DVT)
     row_ok = rh < h
     head = (g * h + tl.where(row_ok, rh, 0)).to(tl.int64)
+    # The compressed branch's NCP partials (chunks, or groups of chunks), then the selected and window ones.
+    _, l_c, acc_c = merge_partials(CM, CL, CACC, pid * NCP, NCP, h, HP, BLOCK_DV, PC, c0, DVT)
     _, l_s, acc_s = merge_partials(PM, PL, PACC, pid * NP, n_sel, h, HP, BLOCK_DV, PS, c0, DVT)
     _, l_w, acc_w = merge_partials(PM, PL, PACC, pid * NP + n_sel, NP - n_sel, h, HP, BLOCK_DV, PW, c0, DVT)
     o_sel = acc_s / tl.where(l_s > 0, l_s, 1.0)[:, None]
     o_win = acc_w / tl.where(l_w > 0, l_w, 1.0)[:, None]
-    o_cmp = tl.load(OCMP + (pid * HP + rh).to(tl.int64)[:, None] * BLOCK_DV + dv[None, :])
+    o_cmp = acc_c / tl.where(l_c > 0, l_c, 1.0)[:, None]
     gate = GATE + b * sgb + head * sgh
     g_cmp = tl.load(gate, mask=row_ok, other=0.0).to(tl.float32)
     g_sel = tl.load(gate + sgc, mask=row_ok, other=0.0).to(tl.float32)
@@ -394,7 +392,6 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
     pm, pl = torch.empty(bg, n_chunks, HP, **f32), torch.empty(bg, n_chunks, HP, **f32)
     pacc = torch.empty(bg, n_chunks, HP, dims["BLOCK_DV"], **f32)
     psc = torch.empty(bg, n_chunks, HP, 2 * K, **f32)
-    ocmp = torch.empty(bg, HP, dims["BLOCK_DV"], **f32)
     sm, sl = torch.empty(bg, n_parts, HP, **f32), torch.empty(bg, n_parts, HP, **f32)
     sacc = torch.empty(bg, n_parts, HP, dims["BLOCK_DV"], **f32)
     sreads = torch.empty(bg, n_parts, device=q.device, dtype=torch.int32)
@@ -427,22 +424,23 @@ def decode_attention_triton(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.T
             pm, pl, pacc, psc, positions, part, gm, gl, gacc, G, h, n_chunks, n_groups, sel_block, HP=HP,
             BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=CT, PTS=min(64, next_power_of_two(n_chunks)),
             **rank_warps)
-        launcher.launch(_select_merge_kernel, (bg,),
-            gm, gl, gacc, part, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, h, n_groups,
-            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **rank_warps)
+        compressed = (gm, gl, gacc, n_groups)  # the span kernel merges the groups' lists
     else:
+        part = selected  # not read: the choice is made here
         launcher.launch(_select_kernel, (bg,),
-            pm, pl, pacc, psc, positions, ocmp, selected, selected.stride(0), selected.stride(1), G, h, n_chunks,
-            sel_block, n_sel, HP=HP, BLOCK_DV=dims["BLOCK_DV"], K=K, CT=CT, PT=8, **rank_warps)
+            pm, psc, pl, positions, selected, selected.stride(0), selected.stride(1), G, h, n_chunks,
+            sel_block, n_sel, HP=HP, K=K, CT=CT, PT=8, **rank_warps)
+        compressed = (pm, pl, pacc, n_chunks)
     launcher.launch(_span_kernel, (n_parts, bg),
-        q, k_sel, v_sel, k_win, v_win, positions, selected, sm, sl, sacc, sreads, q.stride(0), q.stride(1),
+        q, k_sel, v_sel, k_win, v_win, positions, selected, part, sm, sl, sacc, sreads, q.stride(0), q.stride(1),
         k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
-        selected.stride(0), selected.stride(1), G, h, n_parts, scale_log2, sel_block, n_sel, window,
-        **dims, HP=HP, BLOCK_N=BLOCK_N, DOT_PRECISION=precision, **warps)
+        selected.stride(0), selected.stride(1), G, h, n_parts, n_groups, scale_log2, sel_block, n_sel, window,
+        **dims, HP=HP, BLOCK_N=BLOCK_N, K=K, CT=CT, RANK=n_groups > 1, DOT_PRECISION=precision, **warps)
     dvt = min(16, dims["BLOCK_DV"])
+    cm, cl, cacc, n_compressed = compressed
     launcher.launch(_combine_kernel, (bg, dims["BLOCK_DV"] // dvt),
-        gates, n_cmp, ocmp, sm, sl, sacc, sreads, o, reads, gates.stride(0), gates.stride(1), gates.stride(2),
-        o.stride(0), o.stride(1), G, h, n_parts, n_sel, DV=Dv, BLOCK_DV=dims["BLOCK_DV"], HP=HP,
-        PS=next_power_of_two(n_sel), PW=next_power_of_two(n_parts - n_sel), DVT=dvt,
-        NPP=next_power_of_two(n_parts), **warps)
+        gates, n_cmp, cm, cl, cacc, sm, sl, sacc, sreads, o, reads, gates.stride(0), gates.stride(1),
+        gates.stride(2), o.stride(0), o.stride(1), G, h, n_compressed, n_parts, n_sel, DV=Dv,
+        BLOCK_DV=dims["BLOCK_DV"], HP=HP, PC=min(16, next_power_of_two(n_compressed)), PS=next_power_of_two(n_sel),
+        PW=next_power_of_two(n_parts - n_sel), DVT=dvt, NPP=next_power_of_two(n_parts), **warps)
     return o, reads
