@@ -9,6 +9,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from interpreter_speedups import interpreter_speedups
+
+    interpreter_speedups()
 
 
 def pytest_configure(config):

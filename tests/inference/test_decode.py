@@ -1,6 +1,7 @@
 """Cached decoding (nsa.inference): decode equals the full forward, the compressed stream, reads,
 the selection, generation, and `nsa generate` from a trained checkpoint."""
 
+import copy
 import importlib
 import json
 from pathlib import Path
@@ -122,15 +123,17 @@ def test_a_decode_step_fuses_the_input_maps_and_phi_into_few_matmuls(attention, 
     RoPE and the cache write: nsa.ops.triton.decode_prep); phi's MLP is two batched matmuls over keys
     and values together, only on a step that completes a compressed block. One more for the output head."""
     model = tiny_model(attention, gate_hidden=gate_hidden)
-    if prep_kernel:  # the Triton prep, in the interpreter without a GPU (float32: it leaves float64 to PyTorch)
+    device = "cpu"
+    if prep_kernel:  # the Triton prep: on the GPU, or in the interpreter without one (float32: float64 is PyTorch's)
         import nsa.ops.triton.decode_prep as prep_module
 
-        model = model.float()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = model.float().to(device)
         launches = []
         prep = prep_module.decode_prep
         monkeypatch.setattr("nsa.inference.decode._prep_on_triton", lambda backend, x: True)
         monkeypatch.setattr(prep_module, "decode_prep", lambda *a, **kw: launches.append(1) or prep(*a, **kw))
-    tokens = tokens_for(2, 41)
+    tokens = tokens_for(2, 41).to(device)
     cache = new_cache(model, 2, 41)
     prefill(model, tokens[:, :39], cache)
     for t in (39, 40):  # t = 39 completes a compressed block ((39 + 1 - l) % d == 0), t = 40 does not
@@ -352,10 +355,12 @@ def test_the_dense_models_split_decode_kernel_generates_the_full_forwards_argmax
     monkeypatch.setattr(decode_module, "dense_decode_attention",
                         lambda *a, **k: kernel_calls.append(1) or triton_decode(*a, **k))
     monkeypatch.setattr(TUNING, "dense_decode_split", 64)
-    # On a GPU machine Triton has no interpreter: the kernel runs there, on the model moved to the GPU.
-    model = tiny_model("dense", seed=17).to("cuda" if torch.cuda.is_available() else "cpu")
+    # On a GPU machine Triton has no interpreter: the kernel runs there, on a copy of the model moved to the GPU. The
+    # full forwards stay on the CPU (FlexAttention on CUDA refuses this model's head dim of 8).
+    model = tiny_model("dense", seed=17)
+    on_kernel = copy.deepcopy(model).to("cuda") if torch.cuda.is_available() else model
     prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (40, 70, 130)]
-    got = generate(model, prompts, 10, temperature=0)
+    got = generate(on_kernel, prompts, 10, temperature=0)
     assert len(kernel_calls) == 9 * model.cfg.n_layers  # every decoded token after the prefill's
     assert got == [generate_uncached(model, [p], 10, context=1000, temperature=0)[0] for p in prompts]
 
@@ -522,43 +527,36 @@ def step_device(request, monkeypatch):
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
 def test_the_compiled_decode_step_gives_the_eager_steps_logits(attention, step_device):
-    from nsa.inference import compiled_decode_step
-
-    model = tiny_model(attention).float().to(step_device)
-    tokens = tokens_for(2, 40).to(step_device)
-    caches = [new_cache(model, 2, 40) for _ in range(2)]
-    for cache in caches:
-        prefill(model, tokens[:, :30], cache)
-    step = compiled_decode_step(model)
-    for t in range(30, 40):  # crosses compressed emissions and a selection-block edge
-        want = decode_step(model, tokens[:, t], caches[0])
-        got = step(tokens[:, t], caches[1])
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert torch.equal(caches[0].lengths, caches[1].lengths) and caches[1].longest == 40
-
-
-def test_the_compiled_nsa_step_writes_its_caches_in_place(step_device):
-    """No kernel of the compiled step may sweep the raw caches' token dimension: a write through a view of a
-    cache (cache.k[s][rows, t] = ...) compiles to a scatter that copies the whole cache every step (on an H100
-    at 64k: 5.6 ms a token instead of 3, 55 ms at batch 16). On a GPU the same for the Triton decode prep kernel's
-    write: a functionalized mutation that Inductor could not put back in place would copy the cache (a kernel of
-    the cache's size)."""
+    """The compiled step's logits are the eager step's. And no kernel of the compiled NSA step may sweep the raw
+    caches' token dimension: a write through a view of a cache (cache.k[s][rows, t] = ...) compiles to a scatter
+    that copies the whole cache every step (on an H100 at 64k: 5.6 ms a token instead of 3, 55 ms at batch 16). On
+    a GPU the same for the Triton decode prep kernel's write: a functionalized mutation that Inductor could not put
+    back in place would copy the cache (a kernel of the cache's size)."""
     import re
 
     from torch._inductor.utils import run_and_get_code
 
-    from nsa.inference.decode import step_logits
+    from nsa.inference import compiled_decode_step
 
     capacity = 4099  # prime: a loop over the token dimension shows as a size divisible by it
-    model = tiny_model("nsa").float().to(step_device)
-    cache = new_cache(model, 2, capacity)
-    prefill(model, tokens_for(2, 30).to(step_device), cache)
-    step = torch.compile(step_logits, dynamic=False)
-    with torch.no_grad():
-        _, code = run_and_get_code(step, model, tokens_for(2, 1)[:, 0].to(step_device), cache.layers, cache.lengths)
-    sizes = [int(n) for src in code for n in re.findall(r"(?:x\d+\s*<\s*(?:static_cast<int64_t>\()?|numel\s*=\s*)(\d+)", src)]
-    assert sizes, "no loop bounds found in the generated code"
-    assert not [n for n in sizes if n % capacity == 0], "a kernel of the compiled step sweeps a whole cache"
+    model = tiny_model(attention).float().to(step_device)
+    tokens = tokens_for(2, 40).to(step_device)
+    caches = [new_cache(model, 2, capacity) for _ in range(2)]
+    for cache in caches:
+        prefill(model, tokens[:, :30], cache)
+    step = compiled_decode_step(model)
+    code = []
+    for t in range(30, 40):  # crosses compressed emissions and a selection-block edge
+        want = decode_step(model, tokens[:, t], caches[0])
+        got, compiled = run_and_get_code(step, tokens[:, t], caches[1])  # the code of the compiles this step made
+        code += compiled
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(caches[0].lengths, caches[1].lengths) and caches[1].longest == 40
+    if attention == "nsa":  # dense attention reads the whole cache: its loops run over the token dimension
+        pattern = r"(?:x\d+\s*<\s*(?:static_cast<int64_t>\()?|numel\s*=\s*)(\d+)"
+        sizes = [int(n) for src in code for n in re.findall(pattern, src)]
+        assert sizes, "no loop bounds found in the generated code"
+        assert not [n for n in sizes if n % capacity == 0], "a kernel of the compiled step sweeps a whole cache"
 
 
 def test_bench_decode_runs_on_cpu_and_reports_the_reads(tmp_path, capsys):
