@@ -25,6 +25,10 @@ _APPLIED_EXCEPTIONS = (
     "data.prefetch",
     "data.first_batch_timeout_s",
     "data.retrieval.mix_lengths",  # the batch shape of a length curriculum, like train.seq_len
+    # Loss terms on the gates: they change the gradient, not the weights' shapes or what the model computes, so a
+    # curriculum can turn them on at a later stage.
+    "model.nsa.gate_spread_penalty",
+    "model.nsa.gate_floor",
 )
 
 _RETRIEVAL_SHAPES = ("train.seq_len", "train.batch_size", "data.retrieval.mix_lengths")
