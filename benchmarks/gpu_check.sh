@@ -44,5 +44,8 @@ python3 -m pytest -q -p no:cacheprovider -rfEs \
   "tests/data/test_data_sources.py::test_prefetch_pins_batches_for_a_gpu_so_the_copy_is_queued" \
   "tests/data/test_document_boundaries.py::test_the_boundaries_are_pinned_with_the_batch_for_a_gpu" \
   "tests/inference/test_decode.py::test_packed_prompts_decode_like_each_alone_on_the_gpu_in_bf16" \
+  "tests/inference/test_decode.py::test_the_compiled_decode_step_gives_the_eager_steps_logits" \
+  "tests/inference/test_decode.py::test_the_dense_models_split_decode_kernel_generates_the_full_forwards_argmax" \
+  "tests/inference/test_decode.py::test_a_decode_step_fuses_the_input_maps_and_phi_into_few_matmuls" \
   "${hf_test[@]}" 2>&1 | tee "$out/gpu_tests.log"
 python3 -m nsa bench attention --shapes m7c,paper --lengths "$lengths" --out "$out" "$@" 2>&1 | tee "$out/bench.log"

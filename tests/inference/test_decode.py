@@ -468,13 +468,19 @@ def test_nsa_generate_continues_several_prompts_together_as_each_alone(run_dir, 
 
 
 def test_nsa_generate_compiled_writes_the_same_greedy_text(run_dir, capsys, monkeypatch):
-    compiled, real_compile = [], torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw))
+    # --compile reaches torch.compile once (the decode step's body) and the text is the eager one. torch.compile is
+    # a stand-in here that records its function: that the compiled step computes the eager step's logits is
+    # test_the_compiled_decode_step_gives_the_eager_steps_logits's (a real compile of the same body).
+    from nsa.inference.decode import step_logits
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append((fn, kw)) or fn)
     args = ["generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0",
             "--device", "cpu"]
     assert main(args) == 0 and not compiled
     eager = capsys.readouterr().out
     assert main(args + ["--compile"]) == 0 and len(compiled) == 1
+    assert compiled[0][0] is step_logits and compiled[0][1] == {"dynamic": False}
     assert capsys.readouterr().out == eager and len(eager) > len(PROMPT) + 1
 
 
