@@ -3,18 +3,17 @@
 Two costs of Triton's interpreter that the kernel tests pay thousands of times a launch:
 
 - Every call of a @triton.jit helper re-patches triton.language, listing each language module's members with
-  inspect.getmembers (a dir(), a getattr per name and a sort) to find the builtins, a quarter of an interpreted
-  launch's time. Here the names of each language module's builtins are listed once, at import; each patch still
-  checks and patches the current value of every such name, as before.
-- Triton's interpreter reduces with NumPy where it knows the combine function (sum, max, min, argmin, argmax) and
-otherwise one element at a time in Python. tl.sort and tl.topk (the top-n of the selection and decode kernels)
-reduce with xor at every stage of their sorting network, which made those reductions over half of an interpreted
-selection kernel's time. Here xor reductions go to NumPy too: xor is associative and commutative and exact on
-integers, so every value is the element-wise loop's.
+  inspect.getmembers (a dir(), a getattr per name and a sort) to find the builtins. Here the names of each
+  language module's builtins are listed once, at import; each patch still checks and patches the current value
+  of every such name, as before.
+- The interpreter reduces with NumPy where it knows the combine function (sum, max, min, argmin, argmax) and
+  otherwise one element at a time in Python. tl.sort and tl.topk (the top-n of the selection and decode kernels)
+  reduce with xor at every stage of their sorting network. Here xor reductions go to NumPy too: xor is
+  associative and commutative and exact on integers, so every value is the element-wise loop's.
 
-tests/ops/test_interpreter_speedups.py checks both against the interpreter's own code. Written against the
-interpreter of Triton 3.x (its _patch_builtin function and ReduceOps class); where those are absent nothing
-changes.
+What each saves is in docs/kernels.md (how the kernels are tested); tests/ops/test_interpreter_speedups.py
+checks both against the interpreter's own code. Written against the interpreter of Triton 3.x (its _patch_builtin
+function and ReduceOps class); where those are absent nothing changes.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def _reductions_kernel(X, BY_COLUMN, BY_ROW, BY_ROW_KEPT, ALL, SORTED, TOP, M: t
 
 
 def test_xor_reductions_sorts_and_top_k_match_numpy_and_torch():
-    assert interpreter_speedups() is None  # applied (by conftest already; again is a no-op)
+    interpreter_speedups()  # applied by conftest already: a second call changes nothing
     M, N, K = 4, 16, 4
     x = torch.randint(-2**30, 2**30, (M, N), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
     out = dict(by_column=torch.empty(N, dtype=torch.int32), by_row=torch.empty(M, dtype=torch.int32),
