@@ -85,10 +85,10 @@ for stage in "${stage_list[@]}"; do
   stage_end+=("$total")
 done
 ((${#stage_end[@]})) || fail "--stages is empty"
+[[ $recipe == retrieval || ${#late_stage[@]} -eq 0 ]] || fail "--from-stage is for the retrieval recipe's stages"
 for k in "${late_stage[@]}"; do
   ((k <= ${#stage_end[@]})) || fail "--from-stage $k: the curriculum has ${#stage_end[@]} stages"
 done
-[[ $recipe == retrieval || ${#late_stage[@]} -eq 0 ]] || fail "--from-stage is for the retrieval recipe's stages"
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$out_arg"

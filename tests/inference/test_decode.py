@@ -468,20 +468,26 @@ def test_nsa_generate_continues_several_prompts_together_as_each_alone(run_dir, 
 
 
 def test_nsa_generate_compiled_writes_the_same_greedy_text(run_dir, capsys, monkeypatch):
-    # --compile reaches torch.compile once (the decode step's body) and the text is the eager one. torch.compile is
-    # a stand-in here that records its function: that the compiled step computes the eager step's logits is
-    # test_the_compiled_decode_step_gives_the_eager_steps_logits's (a real compile of the same body).
+    # --compile hands the decode step's body to torch.compile once, and that compiled body takes every decode step.
+    # torch.compile is a stand-in here that counts the calls of what it returns: that a real compile of this body
+    # gives the eager step's logits is test_the_compiled_decode_step_gives_the_eager_steps_logits's.
     from nsa.inference.decode import step_logits
 
-    compiled = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append((fn, kw)) or fn)
+    compiled, calls = [], []
+
+    def stand_in(fn, **kw):
+        compiled.append((fn, kw))
+        return lambda *a, **k: calls.append(1) or fn(*a, **k)
+
+    monkeypatch.setattr(torch, "compile", stand_in)
     args = ["generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0",
             "--device", "cpu"]
     assert main(args) == 0 and not compiled
     eager = capsys.readouterr().out
-    assert main(args + ["--compile"]) == 0 and len(compiled) == 1
-    assert compiled[0][0] is step_logits and compiled[0][1] == {"dynamic": False}
-    assert capsys.readouterr().out == eager and len(eager) > len(PROMPT) + 1
+    assert main(args + ["--compile"]) == 0 and compiled == [(step_logits, {"dynamic": False})]
+    text = capsys.readouterr().out
+    assert text == eager and len(eager) > len(PROMPT) + 1
+    assert len(calls) == 11  # every step after the prefill's token went through the compiled body (no stop token)
 
 
 def test_nsa_generate_samples_with_a_seed(run_dir, capsys):

@@ -5,7 +5,6 @@ the interpreter's own listing patches."""
 import functools
 import operator
 
-import numpy as np
 import pytest
 import torch
 
@@ -60,4 +59,3 @@ def test_the_one_time_listing_patches_the_names_the_interpreters_listing_patches
             patched[name] = sorted(attr for _, attr, _ in scope._changes)
             scope.restore()
         assert patched["once"] == patched["interpreter"] and patched["once"], pkg
-    assert np.bitwise_xor.reduce(np.array([5, 3], dtype=np.int32)) == 6
