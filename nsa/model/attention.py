@@ -215,6 +215,10 @@ class DenseAttention(nn.Module):
 # (B times the mask to build) for the same result. B and T are the batch's, fixed for a run, so the mask's shape
 # is static under torch.compile and CUDA graphs; only its content (the document ids) changes per batch.
 
+FLEX_MIN_HEAD_DIM = 16
+"""The smallest query/key and value head dim that FlexAttention's GPU kernel takes."""
+
+
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents) -> torch.Tensor:
     """Causal grouped-query attention of [B, heads, T, D] tensors within documents: the query at t of row b sees
     the keys s <= t of its own document (nsa.model.documents).
@@ -222,10 +226,10 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     On a GPU through FlexAttention with the documents' block mask (Documents.with_block_mask: built once per
     forward outside the compiled blocks, or here for an eager caller); elsewhere through SDPA with the mask in
     full (FlexAttention has no backward on the CPU, and its CPU forward outside torch.compile materialises every
-    score anyway).
+    score anyway). Head dims under FLEX_MIN_HEAD_DIM, which FlexAttention's GPU kernel refuses, take SDPA too.
     """
     b, _, t, _ = q.shape
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or min(q.shape[-1], v.shape[-1]) < FLEX_MIN_HEAD_DIM:
         return masked_document_sdpa(q, k, v, documents.ids.view(b, t))
     block_mask = documents.block_mask if documents.block_mask is not None else documents.with_block_mask().block_mask
     if torch.compiler.is_compiling():  # inside a compiled block: compiled with it

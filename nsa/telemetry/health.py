@@ -65,12 +65,14 @@ def _unsharded(module: nn.Module) -> Iterator[None]:
 
 
 def _gate_sums(gates: torch.Tensor) -> dict[str, torch.Tensor]:
-    g = gates.detach().to(torch.float64).flatten(0, -2)  # [(token, head) samples, 3]
+    per_head = gates.detach().to(torch.float64).flatten(0, -3)  # [tokens, heads, 3]
+    g = per_head.flatten(0, 1)  # [(token, head) samples, 3]
     shares = g / g.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
     return {
         # torch.full launches a fill kernel; torch.tensor(...) on CUDA would copy from the host and sync.
         "gate_count": torch.full((), g.shape[0], dtype=torch.int64, device=g.device),
         "gate_sum": g.sum(0),
+        "gate_head_sum": per_head.sum(0),
         "gate_sq_sum": g.square().sum(0),
         "gate_entropy_sum": -torch.xlogy(shares, shares).sum(),
     }
@@ -124,8 +126,9 @@ def _layer_sums(attn: NSAAttention, x: torch.Tensor, cos: torch.Tensor, sin: tor
 def probe(model: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """Per-layer NSA statistic sums from a no-grad forward of tokens [b, T]; None for a dense model.
 
-    Keys (L = number of layers, K = len(distance_edges(sel_block, T)) - 1): gate_count [L] int64
-    ((token, head) samples), gate_sum / gate_sq_sum [L, 3] float64 (cmp, sel, win), gate_entropy_sum
+    Keys (L = number of layers, H = query heads, K = len(distance_edges(sel_block, T)) - 1): gate_count [L]
+    int64 ((token, head) samples), gate_sum / gate_sq_sum [L, 3] float64 (cmp, sel, win), gate_head_sum [L, H, 3]
+    float64 (per head, over tokens), gate_entropy_sum
     [L] float64, sel_count / sel_distance_sum / sel_forced_count [L] int64, sel_concentration_sum [L]
     float64, distance_counts [L, K] int64. Nothing is copied to the host.
 
@@ -164,11 +167,15 @@ def summarize(sums: dict[str, torch.Tensor], edges: list[int] | list[float]) -> 
         n = float(s["gate_count"][i])
         mean = s["gate_sum"][i].double() / max(n, 1.0)
         var = (s["gate_sq_sum"][i].double() / max(n, 1.0) - mean.square()).clamp_min(0.0)
+        head_sums = s["gate_head_sum"][i].double()  # [H, 3]; every head sees n / H samples
+        head_means = head_sums / max(n / head_sums.shape[0], 1.0)
         count, forced = int(s["sel_count"][i]), int(s["sel_forced_count"][i])
         layers.append({
             "layer": i,
             "gate_mean": mean.tolist(),
             "gate_std": var.sqrt().tolist(),
+            # What model.nsa.gate_floor acts on: a head's gate averaged over the tokens, here the lowest head's.
+            "gate_head_min": head_means.min(0).values.tolist(),
             "gate_entropy": _ratio(float(s["gate_entropy_sum"][i]), n),
             "sel_distance_mean": _ratio(float(s["sel_distance_sum"][i]), count),
             "sel_forced_share": _ratio(forced, count),

@@ -204,6 +204,8 @@ class LayerSeries:
     """[n], nan where not logged."""
     sel_distance_mean: np.ndarray
     sel_forced_share: np.ndarray
+    gate_head_min: np.ndarray
+    """[n, 3]: the lowest head's gate averaged over the tokens, per branch; nan where not logged."""
 
 
 def layer_series(stats: list[dict[str, Any]]) -> list[LayerSeries]:
@@ -214,16 +216,18 @@ def layer_series(stats: list[dict[str, Any]]) -> list[LayerSeries]:
             if not isinstance(entry, dict) or not _three_numbers(entry.get("gate_mean")):
                 continue
             std = entry.get("gate_std") if _three_numbers(entry.get("gate_std")) else [0.0, 0.0, 0.0]
+            head_min = entry.get("gate_head_min") if _three_numbers(entry.get("gate_head_min")) else [math.nan] * 3
             layer = entry.get("layer", i)
             collected.setdefault(int(layer), []).append((
                 record["step"], entry["gate_mean"], std, _float(entry.get("gate_entropy")),
-                _float(entry.get("sel_distance_mean")), _float(entry.get("sel_forced_share")),
+                _float(entry.get("sel_distance_mean")), _float(entry.get("sel_forced_share")), head_min,
             ))
     series = []
     for layer in sorted(collected):
-        steps, mean, std, entropy, distance, forced = zip(*collected[layer])
+        steps, mean, std, entropy, distance, forced, head_min = zip(*collected[layer])
         series.append(LayerSeries(layer, np.asarray(steps, float), np.asarray(mean, float), np.asarray(std, float),
-                                  np.asarray(entropy), np.asarray(distance), np.asarray(forced)))
+                                  np.asarray(entropy), np.asarray(distance), np.asarray(forced),
+                                  np.asarray(head_min, float)))
     return series
 
 

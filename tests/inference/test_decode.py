@@ -355,8 +355,9 @@ def test_the_dense_models_split_decode_kernel_generates_the_full_forwards_argmax
     monkeypatch.setattr(decode_module, "dense_decode_attention",
                         lambda *a, **k: kernel_calls.append(1) or triton_decode(*a, **k))
     monkeypatch.setattr(TUNING, "dense_decode_split", 64)
-    # On a GPU machine Triton has no interpreter: the kernel runs there, on a copy of the model moved to the GPU. The
-    # full forwards stay on the CPU (FlexAttention on CUDA refuses this model's head dim of 8).
+    # On a GPU machine Triton has no interpreter: the kernel runs there, on a copy of the model moved to the GPU (the
+    # ragged prefill attends per document through SDPA: head dim 8 is under FlexAttention's minimum). The full
+    # forwards stay on the CPU.
     model = tiny_model("dense", seed=17)
     on_kernel = copy.deepcopy(model).to("cuda") if torch.cuda.is_available() else model
     prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (40, 70, 130)]

@@ -17,6 +17,8 @@ import nsa.model.attention as attention_module
 from nsa.model import Transformer, tiny
 from nsa.ops import reference
 from nsa.telemetry.health import distance_edges, probe, selection_sums, summarize
+from nsa.telemetry.report import lowest_head_gate
+from nsa.telemetry.run_files import layer_series
 
 SEL_BLOCK, N_SEL, T = 32, 5, 200  # T not a multiple of SEL_BLOCK: the last span is partial
 
@@ -101,6 +103,9 @@ def test_probe_matches_statistics_computed_directly(model_and_tokens):
         assert got["layer"] == i
         for key in ("gate_mean", "gate_std"):
             assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), (i, key)
+        head_means = gates.double().flatten(0, -3).mean(0)  # [heads, 3]: each head over every token
+        assert got["gate_head_min"] == pytest.approx(head_means.min(0).values.tolist(), rel=1e-9)
+        assert (np.array(got["gate_head_min"]) < np.array(got["gate_mean"]) - 1e-3).all()  # heads differ
         for key in ("gate_entropy", "sel_distance_mean", "sel_forced_share", "sel_concentration"):
             assert got[key] == pytest.approx(want[key], rel=1e-9), (i, key)
         assert record["distance_counts"][i] == want["hist"]
@@ -325,7 +330,10 @@ def test_the_gate_floor_brings_a_switched_off_branch_back_in_training(floor, tmp
     records = [json.loads(line) for line in (tmp_path / "run" / "nsa_stats.jsonl").read_text().splitlines()]
     compressed = np.array([[layer["gate_mean"][0] for layer in r["layers"]] for r in records])  # [records, layers]
     assert len(records) == 5
+    lowest, step, layer, branch, below, of = lowest_head_gate(layer_series(records))
     if floor:
         assert (compressed.mean(0) > 0.02).all() and (compressed[1:].max(0) > 0.04).all()
+        assert below < 5  # the floor lifts every head of every layer, not only the layers' means
     else:
         assert compressed.max() < 1e-3
+        assert (lowest, branch, below, of) == (pytest.approx(0, abs=1e-3), "compressed", 5, 5)
