@@ -25,8 +25,8 @@ from ..errors import UserError
 from ..plots.compare import LossCurves, plot_losses
 from ..plots.gates import plot_final_gates
 from ..plots.retrieval import plot_grids
-from ..telemetry.report import (ATTENTION_OFF, CollapseSpan, collapse_spans, describe_span, gate_warnings,
-                                human_count, longest_collapse)
+from ..telemetry.report import (ATTENTION_OFF, COLLAPSE_LOW, CollapseSpan, collapse_spans, describe_span,
+                                gate_warnings, human_count, longest_collapse, lowest_head_gate)
 from ..telemetry.run_files import BRANCH_NAMES, RunData, column, layer_series, load_run
 from .grid import Grid, length_label
 from .intervals import wilson_interval
@@ -52,6 +52,8 @@ class GateSummary:
     """The longest span of records with a branch's gate collapsed, over the whole run."""
     longest_off: CollapseSpan | None = None
     """The longest span with a layer's attention off (every gate collapsed low at once)."""
+    lowest_head: tuple[float, int, int, str, int, int] | None = None
+    """telemetry.report.lowest_head_gate over the whole run; None where the records keep no per-head means."""
 
     @property
     def mean(self) -> np.ndarray:
@@ -148,6 +150,7 @@ def gate_summary(run: RunData) -> GateSummary | None:
         warnings=[w for w in gate_warnings(layers) if "collapsed" in w],
         longest_collapse=longest_collapse(collapse_spans(series)),
         longest_off=longest_collapse(collapse_spans(series), ATTENTION_OFF),
+        lowest_head=lowest_head_gate(series),
     )
 
 
@@ -523,6 +526,10 @@ def _gate_section(runs: list[RunSummary], has_plot: bool) -> list[str]:
         lines.append("")
         lines += [f"Longest gate collapse: {describe_span(r.gates.longest_collapse)}; longest with a layer's "
                   f"attention off: {describe_span(r.gates.longest_off)}.", ""]
+        if r.gates.lowest_head is not None:
+            value, step, layer, branch, below, records = r.gates.lowest_head
+            lines += [f"Lowest head's gate: {value:.4f} at step {step:,} (layer {layer}, {branch}); records with a "
+                      f"head under {COLLAPSE_LOW}: {below} of {records}.", ""]
         if r.gates.warnings:
             lines += [f"- {w}" for w in r.gates.warnings] + [""]
     if has_plot:

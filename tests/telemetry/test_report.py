@@ -12,7 +12,7 @@ import yaml
 
 from nsa.errors import UserError
 from nsa.telemetry.report import (ATTENTION_OFF, collapse_spans, describe_span, gate_warnings, longest_collapse,
-                                  render_report, stale_ranks, summary_markdown)
+                                  lowest_head_gate, render_report, stale_ranks, summary_markdown)
 from nsa.telemetry.run_files import layer_series, load_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,6 +169,19 @@ def test_collapse_spans_say_how_long_each_gate_stayed_collapsed():
     assert longest_collapse(spans, ATTENTION_OFF).steps == 0
     healthy = collapse_spans(layer_series([{"step": 10, "layers": [{"layer": 0, "gate_mean": [0.3, 0.3, 0.3]}]}]))
     assert healthy == [] and describe_span(longest_collapse(healthy)) == "none"
+
+
+def test_the_lowest_head_gate_is_found_over_layers_and_records_and_counted_where_under_the_collapse_bound():
+    layer = lambda i, head_min: {"layer": i, "gate_mean": [0.3, 0.3, 0.4], "gate_head_min": head_min}  # noqa: E731
+    stats = [{"step": 100, "layers": [layer(0, [0.2, 0.1, 0.3]), layer(1, [0.25, 0.2, 0.3])]},
+             {"step": 200, "layers": [layer(0, [0.2, 0.1, 0.3]), layer(1, [0.25, 0.005, 0.3])]},
+             {"step": 300, "layers": [layer(0, [0.01, 0.1, 0.3]), layer(1, [0.25, 0.015, 0.3])]},
+             {"step": 400, "layers": [layer(0, [0.2, 0.1, 0.3]), layer(1, [0.25, 0.2, 0.3])]}]
+    # Layer means never go under 0.02: only the heads show the two records with a collapse.
+    assert collapse_spans(layer_series(stats)) == []
+    assert lowest_head_gate(layer_series(stats)) == (0.005, 200, 1, "selected", 2, 4)
+    older = [{"step": 100, "layers": [{"layer": 0, "gate_mean": [0.3, 0.3, 0.4]}]}]  # a trainer without head means
+    assert lowest_head_gate(layer_series(older)) is None
 
 
 def test_stale_ranks_scale_with_the_heartbeat_rhythm():
