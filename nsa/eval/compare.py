@@ -25,7 +25,7 @@ from ..errors import UserError
 from ..plots.compare import LossCurves, plot_losses
 from ..plots.gates import plot_final_gates
 from ..plots.retrieval import plot_grids
-from ..telemetry.report import (ATTENTION_OFF, COLLAPSE_LOW, CollapseSpan, collapse_spans, describe_span,
+from ..telemetry.report import (ATTENTION_OFF, CollapseSpan, collapse_spans, describe_lowest_head, describe_span,
                                 gate_warnings, human_count, longest_collapse, lowest_head_gate)
 from ..telemetry.run_files import BRANCH_NAMES, RunData, column, layer_series, load_run
 from .grid import Grid, length_label
@@ -527,9 +527,7 @@ def _gate_section(runs: list[RunSummary], has_plot: bool) -> list[str]:
         lines += [f"Longest gate collapse: {describe_span(r.gates.longest_collapse)}; longest with a layer's "
                   f"attention off: {describe_span(r.gates.longest_off)}.", ""]
         if r.gates.lowest_head is not None:
-            value, step, layer, branch, below, records = r.gates.lowest_head
-            lines += [f"Lowest head's gate: {value:.4f} at step {step:,} (layer {layer}, {branch}); records with a "
-                      f"head under {COLLAPSE_LOW}: {below} of {records}.", ""]
+            lines += [describe_lowest_head(r.gates.lowest_head), ""]
         if r.gates.warnings:
             lines += [f"- {w}" for w in r.gates.warnings] + [""]
     if has_plot:

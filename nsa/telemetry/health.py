@@ -128,9 +128,9 @@ def probe(model: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor] | N
 
     Keys (L = number of layers, H = query heads, K = len(distance_edges(sel_block, T)) - 1): gate_count [L]
     int64 ((token, head) samples), gate_sum / gate_sq_sum [L, 3] float64 (cmp, sel, win), gate_head_sum [L, H, 3]
-    float64 (per head, over tokens), gate_entropy_sum
-    [L] float64, sel_count / sel_distance_sum / sel_forced_count [L] int64, sel_concentration_sum [L]
-    float64, distance_counts [L, K] int64. Nothing is copied to the host.
+    float64 (per head, over tokens), gate_entropy_sum [L] float64, sel_count / sel_distance_sum /
+    sel_forced_count [L] int64, sel_concentration_sum [L] float64, distance_counts [L, K] int64. Nothing is
+    copied to the host.
 
     Accepts the model as trained: bare, DDP, checkpoint-wrapped and compiled blocks, FSDP2. Under FSDP2
     every rank must call probe at the same step (each block's parameters are all-gathered while it is

@@ -89,7 +89,7 @@ def collapse_spans(series: list[LayerSeries]) -> list[CollapseSpan]:
 
 def lowest_head_gate(series: list[LayerSeries]) -> tuple[float, int, int, str, int, int] | None:
     """(value, step, layer, branch) of the lowest per-head gate mean over every record and layer, then how many of
-    the records had some head of some layer below COLLAPSE_LOW, and of how many; None where no record has
+    the logged steps had some head of some layer below COLLAPSE_LOW, and of how many; None where no record has
     per-head means (an older trainer's)."""
     logged = [s for s in series if not np.isnan(s.gate_head_min).all()]
     if not logged:
@@ -97,11 +97,17 @@ def lowest_head_gate(series: list[LayerSeries]) -> tuple[float, int, int, str, i
     value, step, layer, branch = min(
         (float(v), int(s.steps[i]), s.layer, BRANCH_NAMES[c])
         for s in logged for (i, c), v in np.ndenumerate(s.gate_head_min) if not np.isnan(v))
-    below = np.zeros(len(logged[0].steps), dtype=bool)
-    for s in logged:
-        if len(s.steps) == len(below):
-            below |= (np.nan_to_num(s.gate_head_min, nan=1.0) < COLLAPSE_LOW).any(1)
-    return value, step, layer, branch, int(below.sum()), len(below)
+    steps = {int(t) for s in logged for t in s.steps}
+    below = {int(s.steps[i]) for s in logged for i in np.flatnonzero((s.gate_head_min < COLLAPSE_LOW).any(1))}
+    return value, step, layer, branch, len(below), len(steps)
+
+
+def describe_lowest_head(lowest: tuple[float, int, int, str, int, int]) -> str:
+    """lowest_head_gate's result as one sentence."""
+    value, step, layer, branch, below, records = lowest
+    return (f"Lowest head's gate (one head's gate averaged over the tokens, what model.nsa.gate_floor acts on): "
+            f"{value:.4f} at step {step:,} (layer {layer}, {branch}); records with a head under {COLLAPSE_LOW}: "
+            f"{below} of {records}.")
 
 
 def longest_collapse(spans: list[CollapseSpan], what: str | None = None) -> CollapseSpan | None:
@@ -278,10 +284,7 @@ def _gate_section(run: RunData, series: list[LayerSeries]) -> list[str]:
               f"off (every gate < {COLLAPSE_LOW}): {describe_span(longest_collapse(spans, ATTENTION_OFF))}."]
     lowest = lowest_head_gate(series)
     if lowest is not None:
-        value, step, layer, branch, below, records = lowest
-        lines += ["", f"Lowest head's gate (one head's gate averaged over the tokens, what model.nsa.gate_floor acts "
-                  f"on): {value:.4f} at step {step:,} (layer {layer}, {branch}); records with a head under "
-                  f"{COLLAPSE_LOW}: {below} of {records}."]
+        lines += ["", describe_lowest_head(lowest)]
     warnings = gate_warnings(series)
     lines += ["", "Gate warnings:" if warnings else "Gate warnings: none.", ""]
     if warnings:

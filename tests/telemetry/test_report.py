@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from nsa.errors import UserError
-from nsa.telemetry.report import (ATTENTION_OFF, collapse_spans, describe_span, gate_warnings, longest_collapse,
-                                  lowest_head_gate, render_report, stale_ranks, summary_markdown)
+from nsa.telemetry.report import (ATTENTION_OFF, collapse_spans, describe_lowest_head, describe_span, gate_warnings,
+                                  longest_collapse, lowest_head_gate, render_report, stale_ranks, summary_markdown)
 from nsa.telemetry.run_files import layer_series, load_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +179,10 @@ def test_the_lowest_head_gate_is_found_over_layers_and_records_and_counted_where
              {"step": 400, "layers": [layer(0, [0.2, 0.1, 0.3]), layer(1, [0.25, 0.2, 0.3])]}]
     # Layer means never go under 0.02: only the heads show the two records with a collapse.
     assert collapse_spans(layer_series(stats)) == []
-    assert lowest_head_gate(layer_series(stats)) == (0.005, 200, 1, "selected", 2, 4)
+    lowest = lowest_head_gate(layer_series(stats))
+    assert lowest == (0.005, 200, 1, "selected", 2, 4)
+    assert describe_lowest_head(lowest).endswith("0.0050 at step 200 (layer 1, selected); records with a head under "
+                                                 "0.02: 2 of 4.")
     older = [{"step": 100, "layers": [{"layer": 0, "gate_mean": [0.3, 0.3, 0.4]}]}]  # a trainer without head means
     assert lowest_head_gate(layer_series(older)) is None
 
