@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="plots and a markdown summary of a run folder (finished or still running)",
         description="Reads RUN_DIR's metrics.csv (and nsa_stats.jsonl, heartbeat_rank*.jsonl, env.json, config.yaml "
-        "when present) and writes loss/throughput/lr/memory/gate/selection PNGs and report.md.",
+        "when present) and writes loss/throughput/lr/memory/gate/selection PNGs and report.md; for a run of mixed "
+        "sequence lengths it also prints the loss per length.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, e.g. runs/<name>")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/report)")

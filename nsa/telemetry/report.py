@@ -123,6 +123,100 @@ def describe_span(span: CollapseSpan | None) -> str:
     return f"layer {span.layer}, {span.what}, steps {span.start:,}-{span.end:,} ({span.steps:,} steps)"
 
 
+# ------------------------------------------------------------------------------------ loss by length
+
+MISSED_LOSS = 0.05
+"""A logged step whose loss exceeds this many nats counts as missed: under answer-only retrieval loss
+(data.retrieval.loss=answer) a solved example costs ~1e-3 nats and a missed one ~1-2, so 0.05 lies far from both."""
+
+
+@dataclass(frozen=True)
+class LengthLoss:
+    """The logged steps of one sequence length."""
+
+    seq_len: int
+    steps: int
+    missed: float
+    """Share of the steps whose loss exceeded MISSED_LOSS."""
+    median: float
+
+
+def with_length(rows: list[dict[str, float | None]]) -> list[dict[str, float | None]]:
+    """The rows with a finite loss and seq_len: not an older trainer's (no seq_len column), nor a step whose
+    micro-batches differed in length."""
+    return [r for r in rows if all(r.get(key) is not None and math.isfinite(r[key]) for key in ("loss", "seq_len"))]
+
+
+def loss_by_length(rows: list[dict[str, float | None]]) -> list[LengthLoss]:
+    """Per seq_len in rising order: the logged steps, the share of them above MISSED_LOSS and their median loss
+    (each row's loss is its own step's, so a length's steps tell how that length fares)."""
+    by_length: dict[int, list[float]] = {}
+    for row in with_length(rows):
+        by_length.setdefault(int(row["seq_len"]), []).append(row["loss"])
+    return [LengthLoss(length, len(losses), sum(x > MISSED_LOSS for x in losses) / len(losses),
+                       statistics.median(losses)) for length, losses in sorted(by_length.items())]
+
+
+def last_third(rows: list) -> list:
+    """The last third of the rows (at least one of a non-empty list): where a run stands in its last stage."""
+    return rows[(2 * len(rows)) // 3:]
+
+
+@dataclass(frozen=True)
+class LengthTable:
+    """loss_by_length over the last third of the rows with a length (steps first to last) and over the run."""
+
+    first: int
+    last: int
+    tail: dict[int, LengthLoss]
+    run: list[LengthLoss]
+
+
+def length_table(rows: list[dict[str, float | None]]) -> LengthTable | None:
+    """The table of a run whose steps had more than one sequence length; None otherwise (one length says nothing
+    the loss curve does not)."""
+    known = with_length(rows)
+    run = loss_by_length(known)
+    if len(run) < 2:
+        return None
+    tail = last_third(known)
+    return LengthTable(int(tail[0]["step"]), int(tail[-1]["step"]), {s.seq_len: s for s in loss_by_length(tail)}, run)
+
+
+LENGTH_COLUMNS = ["length", "steps (end)", f"loss > {MISSED_LOSS:g} (end)", "median (end)", "steps (all)",
+                  f"loss > {MISSED_LOSS:g} (all)", "median (all)"]
+
+
+def length_cells(table: LengthTable) -> list[dict[str, str]]:
+    """The table's rows as text under LENGTH_COLUMNS, shared by report.md and the printed table; '-' where a
+    length has no step in the last third."""
+    rows = []
+    for whole in table.run:
+        row = {"length": f"{whole.seq_len:,}"}
+        for part, stats in (("end", table.tail.get(whole.seq_len)), ("all", whole)):
+            row[f"steps ({part})"] = str(stats.steps) if stats else "0"
+            row[f"loss > {MISSED_LOSS:g} ({part})"] = f"{100 * stats.missed:.0f}%" if stats else "-"
+            row[f"median ({part})"] = f"{stats.median:.3g}" if stats else "-"
+        rows.append(row)
+    return rows
+
+
+def describe_length_table(table: LengthTable) -> str:
+    """What the table's columns hold, in one sentence."""
+    return (f"Each logged step's own training loss by its batch's sequence length (metrics.csv's seq_len); end: the "
+            f"last third of the logged steps (steps {table.first:,}-{table.last:,}), all: the whole run; "
+            f"loss > {MISSED_LOSS:g}: the share of those steps whose loss exceeded {MISSED_LOSS:g} nats (with "
+            f"answer-only retrieval loss a solved example costs ~1e-3, a missed one ~1-2).")
+
+
+def printed_length_table(table: LengthTable) -> str:
+    """The table as plain text (what `nsa report` prints)."""
+    from ..bench.common import format_table  # torch comes with it: only runs with several lengths pay for it
+
+    return f"loss by sequence length\n{describe_length_table(table)}\n" + format_table(length_cells(table),
+                                                                                       LENGTH_COLUMNS)
+
+
 # ----------------------------------------------------------------------------------------- heartbeats
 
 
@@ -195,6 +289,9 @@ def render_report(run_dir: Path, out_dir: Path | None = None) -> Path:
             path.unlink()
     report = out / "report.md"
     report.write_text(summary_markdown(run, series, written), encoding="utf-8")
+    table = length_table(rows)
+    if table is not None:
+        print(printed_length_table(table))
     return report
 
 
@@ -203,7 +300,8 @@ def summary_markdown(run: RunData, series: list[LayerSeries], images: list[str])
     parts = [f"# Run report: {run.run_dir.resolve().name}", "", _status_line(run), ""]
     parts += ["## Summary", "", "| | |", "|---|---|"]
     parts += [f"| {key} | {value} |" for key, value in summary_rows(run)]
-    parts += ["", "## Health", ""]
+    parts += [""] + _length_section(run.metrics)
+    parts += ["## Health", ""]
     parts += _gate_section(run, series)
     parts += _heartbeat_section(run.heartbeats)
     parts += ["## Plots", ""]
@@ -290,6 +388,16 @@ def _gate_section(run: RunData, series: list[LayerSeries]) -> list[str]:
     if warnings:
         lines += [f"- {w}" for w in warnings] + [""]
     return lines
+
+
+def _length_section(rows: list[dict[str, float | None]]) -> list[str]:
+    table = length_table(rows)
+    if table is None:
+        return []
+    lines = ["## Loss by sequence length", "", describe_length_table(table), "",
+             "| " + " | ".join(LENGTH_COLUMNS) + " |", "|---" * len(LENGTH_COLUMNS) + "|"]
+    lines += ["| " + " | ".join(cells[c] for c in LENGTH_COLUMNS) + " |" for cells in length_cells(table)]
+    return lines + [""]
 
 
 def _heartbeat_section(heartbeats: list[dict[str, Any]]) -> list[str]:

@@ -20,10 +20,12 @@ from .metrics import MetricsCSV
 from .wandb_run import WandbRun
 
 METRIC_FIELDS = ["step", "tokens", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s", "mem_gb",
-                 "data_wait"]
+                 "data_wait", "seq_len"]
 """metrics.csv columns: mem_gb is the peak GPU memory allocated since the previous row (reserved, under
 parallel.cudagraphs: see nsa.train.loop.peak_memory_gb); data_wait is the share of the time since the previous row
-that the training thread spent waiting for batches."""
+that the training thread spent waiting for batches; seq_len is the tokens per row of the logged step's batch (with
+data.retrieval.mix_lengths it varies by step; empty when the step's micro-batches differed), last so that the
+older columns keep their places."""
 
 STEP_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mem_gb", "data_wait")
 """metrics.csv columns also written as scalars, as train/<column>."""

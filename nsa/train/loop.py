@@ -189,6 +189,9 @@ class Trainer:
         self.halt_path = self.run_dir / "HALT"
         self.data_wait_s = 0.0
         self.last_batch: torch.Tensor | None = None
+        self.step_seq_len: int | None = None
+        """Tokens per row of the last step's batches; None when its micro-batches differed (a length drawn per
+        micro-batch, data.retrieval.mix_lengths with train.grad_accum > 1)."""
         self.health_step: int | None = None
         self.resume_changes: dict = {}
         self.signals = StopSignals()  # replaced by the active one while the loop runs
@@ -285,17 +288,20 @@ class Trainer:
         self._new_graph_step()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.info.device)
+        lengths = set()
         for micro in range(t.grad_accum):
             waited = time.perf_counter()
             batch = self.data.train.next_batch()
             self.data_wait_s += time.perf_counter() - waited
             x, y, cu_seqlens = self._on_device(batch, non_blocking=True)
+            lengths.add(x.shape[1])  # shape metadata: no wait for the device
             with gradient_sync(self.model, self.mode, micro == t.grad_accum - 1):
                 with self._autocast():
                     loss = self._loss(x, y, cu_seqlens) / t.grad_accum
                 loss.backward()
             total += loss.detach()
         self.last_batch = x
+        self.step_seq_len = lengths.pop() if len(lengths) == 1 else None
         clip = t.grad_clip if t.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -445,7 +451,7 @@ class Trainer:
         data_wait, self.data_wait_s = min(1.0, self.data_wait_s / seconds), 0.0
         row = {"step": step, "tokens": self.tokens, "loss": loss_value, "val_loss": None,
                "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm.item(), "tokens_per_s": tok_s,
-               "elapsed_s": now - start, "mem_gb": mem_gb, "data_wait": data_wait}
+               "elapsed_s": now - start, "mem_gb": mem_gb, "data_wait": data_wait, "seq_len": self.step_seq_len}
         if evaluate:
             row["val_loss"] = self._evaluate_and_log(step, bar)
         record = self.health_record(is_last)

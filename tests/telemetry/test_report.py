@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from nsa.errors import UserError
-from nsa.telemetry.report import (ATTENTION_OFF, collapse_spans, describe_lowest_head, describe_span, gate_warnings,
-                                  longest_collapse, lowest_head_gate, render_report, stale_ranks, summary_markdown)
+from nsa.telemetry.report import (ATTENTION_OFF, LengthLoss, collapse_spans, describe_lowest_head, describe_span,
+                                  gate_warnings, length_table, longest_collapse, loss_by_length, lowest_head_gate,
+                                  render_report, stale_ranks, summary_markdown)
 from nsa.telemetry.run_files import layer_series, load_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +186,64 @@ def test_the_lowest_head_gate_is_found_over_layers_and_records_and_counted_where
                                                  "0.02: 2 of 4.")
     older = [{"step": 100, "layers": [{"layer": 0, "gate_mean": [0.3, 0.3, 0.4]}]}]  # a trainer without head means
     assert lowest_head_gate(layer_series(older)) is None
+
+
+# (step, seq_len, loss): a run whose 64k steps are still missed at the end while its 4k steps are solved. Step 50
+# is an older trainer's row (no seq_len), step 80 a non-finite loss: both are left out, so 10 rows count and the
+# last third is their last 4 (steps 70-110). 16k occurs only before it.
+LENGTH_ROWS = [(10, 4096, 2.0), (15, 16384, 0.9), (20, 65536, 1.8), (30, 4096, 0.002), (40, 65536, 1.2),
+               (50, None, 0.5), (60, 4096, 0.001), (70, 65536, 0.001), (80, 4096, math.nan), (90, 65536, 1.6),
+               (100, 4096, 0.001), (110, 65536, 0.003)]
+
+
+def length_rows(rows=LENGTH_ROWS) -> list[dict]:
+    return [{"step": step, "seq_len": length, "loss": loss} for step, length, loss in rows]
+
+
+def test_loss_by_length_counts_the_steps_over_the_threshold_per_length():
+    assert loss_by_length(length_rows()) == [
+        LengthLoss(4096, 4, 0.25, 0.0015), LengthLoss(16384, 1, 1.0, 0.9), LengthLoss(65536, 5, 0.6, 1.2)]
+    table = length_table(length_rows())
+    assert (table.first, table.last) == (70, 110)
+    assert table.tail == {4096: LengthLoss(4096, 1, 0.0, 0.001), 65536: LengthLoss(65536, 3, 1 / 3, 0.003)}
+    assert table.run == loss_by_length(length_rows())
+    # A threshold of 0.05 nats: 0.049 is a solved step, 0.051 a missed one.
+    assert [s.missed for s in loss_by_length(length_rows([(1, 256, 0.049), (2, 256, 0.051)]))] == [0.5]
+    # One length (or none recorded, as in an older trainer's file): no table.
+    assert length_table(length_rows([(1, 256, 1.0), (2, 256, 0.5), (3, None, 0.1)])) is None
+    assert length_table([{"step": 1, "loss": 1.0}]) is None
+
+
+def test_the_report_prints_and_writes_the_loss_by_length_of_a_mixed_length_run(tmp_path, capsys):
+    fields = FIELDS + ["seq_len"]
+    with open(tmp_path / "metrics.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows({"step": step, "tokens": step * 65536, "loss": loss, "seq_len": "" if length is None else length}
+                    for step, length, loss in LENGTH_ROWS)
+    text = render_report(tmp_path).read_text()
+    section = text.split("## Loss by sequence length")[1].split("## Health")[0]
+    assert "steps 70-110" in section
+    assert ("| length | steps (end) | loss > 0.05 (end) | median (end) | steps (all) | loss > 0.05 (all) | "
+            "median (all) |") in section
+    assert "| 4,096 | 1 | 0% | 0.001 | 4 | 25% | 0.0015 |" in section
+    assert "| 16,384 | 0 | - | - | 1 | 100% | 0.9 |" in section
+    assert "| 65,536 | 3 | 33% | 0.003 | 5 | 60% | 1.2 |" in section
+    printed = capsys.readouterr().out
+    assert "loss by sequence length" in printed and "steps 70-110" in printed
+    assert any(line.split() == ["65,536", "3", "33%", "0.003", "5", "60%", "1.2"] for line in printed.splitlines())
+
+
+def test_a_metrics_file_without_seq_len_reports_without_the_length_table(tmp_path, capsys):
+    write_metrics(tmp_path)  # an older trainer's columns: no seq_len
+    text = render_report(tmp_path).read_text()
+    assert "| last train loss |" in text and "Loss by sequence length" not in text
+    assert "loss by sequence length" not in capsys.readouterr().out
+    with open(tmp_path / "metrics.csv", "w", newline="") as f:  # one length: nothing a length table would add
+        w = csv.DictWriter(f, fieldnames=FIELDS + ["seq_len"], extrasaction="ignore")
+        w.writeheader()
+        w.writerows({"step": s, "loss": 1.0 / s, "seq_len": 4096} for s in range(1, 10))
+    assert "Loss by sequence length" not in render_report(tmp_path).read_text()
 
 
 def test_stale_ranks_scale_with_the_heartbeat_rhythm():

@@ -39,8 +39,9 @@ def test_short_run_lowers_the_loss_and_leaves_artifacts(tmp_path, attention):
     run = tmp_path / "r"
     rows = list(csv.DictReader(open(run / "metrics.csv")))
     assert list(rows[0]) == ["step", "tokens", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s",
-                            "mem_gb", "data_wait"]
+                            "mem_gb", "data_wait", "seq_len"]
     assert [int(r["step"]) for r in rows] == [1, 10, 20, 30, 40, 50, 60, 70, 80]
+    assert {r["seq_len"] for r in rows} == {"64"}  # one length: train.seq_len
     assert rows[3]["val_loss"] == "" and float(rows[4]["val_loss"]) > 0
     saved = yaml.safe_load(open(run / "config.yaml"))
     assert saved["model"]["vocab_size"] == 320 and saved["train"]["steps"] == 80
@@ -163,6 +164,38 @@ def test_gradient_accumulation_matches_one_large_batch(tmp_path):
     assert big.losses.keys() == small.losses.keys()
     for step in big.losses:
         assert small.losses[step] == pytest.approx(big.losses[step], abs=1e-5)
+
+
+MIXED_RETRIEVAL = [
+    "model.attention=dense", "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+    "model.head_dim=16", "model.mlp_hidden=64", "data.source=retrieval", "data.retrieval.task=passkey",
+    "data.retrieval.mix_lengths=[256,512]", "train.seq_len=128", "train.batch_size=4", "train.steps=12",
+    "train.warmup_steps=1", "train.eval_every=0", "train.log_every=1", "train.sample_tokens=0", "train.progress=false",
+    "telemetry.tensorboard=false",
+]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_metrics_record_each_steps_sequence_length_under_mixed_lengths(tmp_path, grad_accum):
+    """seq_len is the length of the batches the step trained on; a step whose micro-batches were drawn at
+    different lengths has none."""
+    from nsa.data.loader import RetrievalBatches
+    from nsa.data.retrieval import RetrievalTasks
+    from nsa.data.tokenizers import ByteTokenizer
+
+    cfg = load_config(None, MIXED_RETRIEVAL + [f"train.grad_accum={grad_accum}", f"train.out_dir={tmp_path}",
+                                               "train.run_name=r"])
+    train(cfg)
+    logged = [r["seq_len"] for r in csv.DictReader(open(tmp_path / "r" / "metrics.csv"))]
+    # The same stream the trainer drew from: seed train.seed, rank 0, one batch per micro-batch.
+    stream = RetrievalBatches(RetrievalTasks(ByteTokenizer()), "passkey", 128, 4, cfg.train.seed,
+                              mix_lengths=[256, 512])
+    drawn = [stream.next_batch()[0].shape[1] for _ in range(12 * grad_accum)]
+    per_step = [set(drawn[i:i + grad_accum]) for i in range(0, len(drawn), grad_accum)]
+    assert logged == [str(min(s)) if len(s) == 1 else "" for s in per_step]
+    # This seed's draw mixes lengths between steps (and, with accumulation, within one), so a column of
+    # train.seq_len alone, or of one micro-batch's length, would fail the check above.
+    assert len({n for n in logged if n}) > 1 and ("" in logged) == (grad_accum > 1)
 
 
 def test_lr_schedule_warms_up_linearly_then_follows_a_cosine_to_the_floor():
