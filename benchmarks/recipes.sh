@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--attention nsa,dense]
 #            [--stages SEQxBATCH[+LENGTH...]:STEPS,...] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N]
-#            [--eval-tasks passkey,kv] [--from-stage K:key=value ...]
+#            [--eval-tasks passkey,kv] [--from-stage K:key=value ...] [--through-stage K]
 #            [-- key=value ...]
 #
 # One recipe of configs/recipes/ from start to end, every run in OUT_DIR (docs/evaluation.md, "The recipes"):
@@ -29,24 +29,27 @@
 #   --from-stage K:key=value   (repeatable) an override for the retrieval curriculum's stage K (1 for the
 #                       first) and every later stage and the extension, e.g. --from-stage 4:model.nsa.gate_floor=0.02
 #                       (only keys a resume applies: `nsa train` refuses a changed model shape or data stream)
+#   --through-stage K   train the retrieval curriculum's stages 1 to K only, at the whole curriculum's rates (the
+#                       schedule still spans every stage), and no --extend: a cheap look at how runs cross one
+#                       stage's switch (evaluate at its lengths with --eval-lengths); rerunning without it goes on
 #   -- key=value ...    overrides for every `nsa train` (e.g. train.device=cpu or a smaller model); the stages
 #                       set the retrieval runs' train.seq_len, train.batch_size, train.steps and mix_lengths
 # Training runs eagerly (parallel.compile=false, as the recipes' results were measured; the retrieval stages'
 # many lengths would each compile): override with -- parallel.compile=true.
 set -euo pipefail
-usage="usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--first-seed S] [--attention nsa,dense] [--stages SPEC] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N] [--eval-tasks passkey,kv] [--from-stage K:key=value ...] [-- key=value ...]"
+usage="usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--first-seed S] [--attention nsa,dense] [--stages SPEC] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N] [--eval-tasks passkey,kv] [--from-stage K:key=value ...] [--through-stage K] [-- key=value ...]"
 fail() { echo "recipes.sh: $*" >&2; exit 2; }
 if [[ $# -lt 2 || ! $1 =~ ^(learn|retrieval)$ || $2 == -* ]]; then echo "$usage" >&2; exit 2; fi
 recipe=$1 out_arg=$2
 shift 2
 seeds=1 first_seed=1337 attention=nsa,dense extend=300 eval_args=() eval_tasks=passkey overrides=()
-late_stage=() late_override=()  # --from-stage: the first stage (1-based) of each override, and the override
+through=0 late_stage=() late_override=()  # --from-stage: the first stage (1-based) of each override, and the override
 # 64k four (then six) times in the mixed stages' draws: configs/recipes/retrieval.yaml says why.
 stages=256x256:400,1024x64:400,4096x16:300,8192x8:300,16384x4+32768+65536+65536+65536+65536:1000
 stages+=,16384x4+4096+8192+32768+65536+65536+65536+65536+65536+65536:600
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --seeds|--first-seed|--attention|--stages|--extend|--eval-lengths|--eval-samples|--eval-tasks|--from-stage)
+    --seeds|--first-seed|--attention|--stages|--extend|--eval-lengths|--eval-samples|--eval-tasks|--from-stage|--through-stage)
       [[ $# -ge 2 ]] || fail "$1 needs a value"
       case $1 in
         --seeds) [[ $2 =~ ^[1-9][0-9]*$ ]] || fail "--seeds takes a positive number (got '$2')"; seeds=$2 ;;
@@ -62,6 +65,8 @@ while [[ $# -gt 0 ]]; do
         --from-stage) [[ $2 =~ ^([1-9][0-9]*):([^=]+=.*)$ ]] ||
                         fail "--from-stage takes K:key=value, e.g. 4:model.nsa.gate_floor=0.02 (got '$2')"
                       late_stage+=("${BASH_REMATCH[1]}") late_override+=("${BASH_REMATCH[2]}") ;;
+        --through-stage) [[ $2 =~ ^[1-9][0-9]*$ ]] || fail "--through-stage takes a stage number, 1 for the first (got '$2')"
+                         through=$2 ;;
       esac
       shift 2 ;;
     --) shift; overrides=("$@"); break ;;
@@ -86,6 +91,8 @@ for stage in "${stage_list[@]}"; do
 done
 ((${#stage_end[@]})) || fail "--stages is empty"
 [[ $recipe == retrieval || ${#late_stage[@]} -eq 0 ]] || fail "--from-stage is for the retrieval recipe's stages"
+[[ $recipe == retrieval || $through -eq 0 ]] || fail "--through-stage is for the retrieval recipe's stages"
+((through <= ${#stage_end[@]})) || fail "--through-stage $through: the curriculum has ${#stage_end[@]} stages"
 for k in "${late_stage[@]}"; do
   ((k <= ${#stage_end[@]})) || fail "--from-stage $k: the curriculum has ${#stage_end[@]} stages"
 done
@@ -116,9 +123,10 @@ stage_overrides() {  # STAGE (1-based): the --from-stage overrides that apply to
   return 0
 }
 
-retrieval_run() {  # RUN, then the run's overrides: the curriculum, then --extend
+retrieval_run() {  # RUN, then the run's overrides: the curriculum (through --through-stage), then --extend
   local run=$1 i done_steps end last=$((${#stage_end[@]} - 1)) late; shift
   for i in "${!stage_end[@]}"; do
+    ((through == 0 || i < through)) || return 0
     done_steps=$(latest_step "$run") end=${stage_end[i]}
     ((done_steps >= end)) && continue
     mapfile -t late < <(stage_overrides $((i + 1)))

@@ -183,6 +183,9 @@ def no_gpu(tmp_path) -> Path:
     ("recipes.sh", ["learn", "{out}", "--fast"], "unknown option '--fast'"),
     ("recipes.sh", ["retrieval", "{out}", "--from-stage", "0:model.nsa.gate_floor=0.02"], "--from-stage takes K:key=value"),
     ("recipes.sh", ["retrieval", "{out}", "--from-stage", "2:gate_floor"], "--from-stage takes K:key=value"),
+    ("recipes.sh", ["retrieval", "{out}", "--through-stage", "0"], "--through-stage takes a stage number"),
+    ("recipes.sh", ["retrieval", "{out}", "--through-stage", "7"], "--through-stage 7: the curriculum has 6 stages"),
+    ("recipes.sh", ["learn", "{out}", "--through-stage", "1"], "--through-stage is for the retrieval recipe's stages"),
     ("recipes.sh", ["retrieval", "{out}", "--from-stage", "7:model.nsa.gate_floor=0.02"],
      "--from-stage 7: the curriculum has 6 stages"),
     ("recipes.sh", ["learn", "{out}", "--from-stage", "2:model.nsa.gate_floor=0.02"],
@@ -241,13 +244,20 @@ def test_the_learn_recipe_trains_evaluates_and_compares_both_models(tmp_path):
 @pytest.mark.slow
 def test_the_retrieval_recipe_runs_its_curriculum_as_one_run(tmp_path):
     """Two stages of 2 steps (128 x 4, then 256 x 2 mixed with 512) and 2 more steps: one 6-step schedule; trained
-    on both tasks and evaluated on both; the gate floor from the second stage on."""
-    out = _bash("recipes.sh", "retrieval", str(tmp_path / "runs"), "--attention", "nsa", "--stages",
-                "128x4:2,256x2+512:2", "--extend", "2", "--eval-lengths", "256,512", "--eval-samples", "1",
-                "--eval-tasks", "passkey,kv", "--from-stage", "2:model.nsa.gate_floor=0.02", "--",
-                *TINY, "data.retrieval.task=mixed", timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    on both tasks and evaluated on both; the gate floor from the second stage on. The first launch stops after the
+    first stage (at the whole schedule's rates), the second goes on from there."""
+    command = ["recipes.sh", "retrieval", str(tmp_path / "runs"), "--attention", "nsa", "--stages",
+               "128x4:2,256x2+512:2", "--extend", "2", "--eval-lengths", "256,512", "--eval-samples", "1",
+               "--eval-tasks", "passkey,kv", "--from-stage", "2:model.nsa.gate_floor=0.02"]
+    overrides = ["--", *TINY, "data.retrieval.task=mixed"]
     run = tmp_path / "runs" / "retrieval-nsa-1337"
+    first = _bash(*command, "--through-stage", "1", *overrides, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert (config["train"]["steps"], config["train"]["seq_len"], config["model"]["nsa"]["gate_floor"]) == (4, 128, 0)
+    assert [r.split(",")[0] for r in (run / "metrics.csv").read_text().splitlines()[1:]] == ["1", "2"]
+    out = _bash(*command, *overrides, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     steps = [int(r.split(",")[0]) for r in (run / "metrics.csv").read_text().splitlines()[1:]]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert re.search(r"resumed with changed settings .*train\.seq_len 128 -> 256", out.stdout)
