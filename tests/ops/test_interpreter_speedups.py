@@ -1,7 +1,10 @@
 """The test plumbing's interpreter speed-ups (tests/interpreter_speedups.py) change no result: xor reductions,
-sorts and top-k give what NumPy and PyTorch give, and the one-time listing of builtins patches exactly the names
-the interpreter's own listing patches."""
+sorts and top-k give what NumPy and PyTorch give; the one-time listing of builtins patches exactly the names
+the interpreter's own listing patches; integer operations give the same values with the overflow checks left
+out, which the interpreter builds only to drop; the NumPy types are the interpreter's own; tuple types read the
+names they were given when made."""
 
+import dataclasses
 import functools
 import operator
 
@@ -10,7 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
-from interpreter_speedups import interpreter_speedups  # noqa: E402
+from interpreter_speedups import interpreter_speedups, tuple_type_name  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the speed-ups are for Triton's CPU interpreter")
 
@@ -59,3 +62,83 @@ def test_the_one_time_listing_patches_the_names_the_interpreters_listing_patches
             patched[name] = sorted(attr for _, attr, _ in scope._changes)
             scope.restore()
         assert patched["once"] == patched["interpreter"] and patched["once"], pkg
+
+
+@triton.jit
+def _integer_ops_kernel(X, Y, OUT, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x, y = tl.load(X + i), tl.load(Y + i)
+    tl.store(OUT + i, x + y)
+    tl.store(OUT + N + i, x - y)
+    tl.store(OUT + 2 * N + i, x * y)
+
+
+def _integer_ops(x, y):
+    out = torch.empty(3, len(x), dtype=torch.int32)
+    _integer_ops_kernel[(1,)](x, y, out, N=len(x))
+    return out
+
+
+def test_integer_operations_leave_out_only_the_overflow_checks_device_assert_drops(monkeypatch):
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+
+    fast = TritonSemantic.binary_op_sanitize_overflow_impl
+    assert getattr(fast, "skips_unread", False), "conftest did not apply the speed-up"
+    x = torch.tensor([2**31 - 1, -2**31, 7, 46341], dtype=torch.int32)
+    y = torch.tensor([1, 1, -3, 46341], dtype=torch.int32)  # the sum, the difference and the product overflow
+    exact = torch.stack([x.long() + y.long(), x.long() - y.long(), x.long() * y.long()])
+    wrapped = ((exact + 2**31) % 2**32 - 2**31).int()  # int32 arithmetic's two's complement
+    verdicts = []
+    device_assert = TritonSemantic.device_assert
+
+    def spy(self, cond, msg, mask):
+        verdicts.append((msg, device_assert(self, cond, msg, mask)))
+        return verdicts[-1][1]
+
+    monkeypatch.setattr(TritonSemantic, "device_assert", spy)
+    assert torch.equal(_integer_ops(x, y), wrapped) and verdicts == []  # no check built
+    monkeypatch.setattr(TritonSemantic, "binary_op_sanitize_overflow_impl", fast.check)
+    assert torch.equal(_integer_ops(x, y), wrapped)  # the interpreter's own: the same values
+    assert verdicts and all("overflow detected" in msg and out is None for msg, out in verdicts)  # built, dropped
+    # With debug on (the interpreter's options never ask for it) the speed-up runs the check, which then stops.
+    monkeypatch.setattr(TritonSemantic, "binary_op_sanitize_overflow_impl", fast)
+    debug = dataclasses.replace(interpreter.interpreter_builder.options, debug=True)
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", debug)
+    with pytest.raises(Exception, match="int32 overflow detected for operation add"):
+        _integer_ops(x, y)
+
+
+def test_the_numpy_types_are_those_the_interpreter_gives():
+    from triton.runtime import interpreter
+
+    fast = interpreter._get_np_dtype
+    assert getattr(fast, "table", None), "conftest did not apply the speed-up"
+    scalars = [v for v in vars(tl.core).values()
+               if isinstance(v, tl.dtype) and not isinstance(v, (tl.pointer_type, tl.block_type))]
+    pointers = [tl.pointer_type(tl.float32), tl.block_type(tl.pointer_type(tl.int64), [4])]
+    for ty in scalars + pointers + [tl.block_type(s, [2, 8]) for s in scalars]:
+        try:
+            want = fast.original(ty)
+        except KeyError:  # e.g. void: the speed-up raises as well
+            with pytest.raises(KeyError):
+                fast(ty)
+        else:
+            assert fast(ty) == want, ty
+    assert {tl.int1, tl.int32, tl.bfloat16, tl.float32} <= set(fast.table)
+
+
+def test_tuple_types_read_the_names_they_are_given_when_made():
+    cls = tl.core.tuple_type
+    assert isinstance(vars(cls).get("name"), property), "conftest did not apply the speed-up"
+
+    class Named(cls):
+        name = None  # a plain attribute: the interpreter's __init__ stores its name
+
+    shape = tl.core.tuple([tl.constexpr(16), tl.constexpr(8)]).type  # a tensor's shape's type
+    for types, fields in ((shape.types, None), ([tl.float16, tl.block_type(tl.int64, [4])], ["a", "b"])):
+        made = Named.__new__(Named)
+        cls.__init__.original(made, types, fields)
+        read = cls(types, fields)
+        assert (read.name, str(read), read.types, read.fields) == (made.name, str(made), made.types, made.fields)
+        assert read.name == tuple_type_name(made) and read.name.startswith("[")
