@@ -21,6 +21,7 @@ from ..model.attention import SDPA_BACKENDS
 from ..plots.bench import dense_references, picture, ratio_column
 from ..train.distributed import DistInfo, all_reduce_mean, init_distributed, shutdown
 from ..train.loop import Trainer, step_kind
+from ..train.tf32 import tf32_matmuls
 from .common import environment, format_table, print_row, profile_to_file, write_results
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -197,8 +198,9 @@ def run(config: str | None, overrides: list[str], seq_lens: list[int], attention
             for a in attentions:
                 # A row compiles the model and runs its steps (minutes at 32k): show it as it lands, and write the
                 # results so far, so that a run cut short keeps every row it measured.
-                rows.append(measure(config, overrides, a, T, batch_tokens, steps, warmup, info,
-                                    out_dir if profile else None))
+                with tf32_matmuls(info.device):  # as a training run multiplies
+                    rows.append(measure(config, overrides, a, T, batch_tokens, steps, warmup, info,
+                                        out_dir if profile else None))
                 if info.is_main:
                     print_row(rows[-1], PROGRESS_COLUMNS)
                     paths = write_results(_with_ratios(rows), out_dir, name, meta)

@@ -18,8 +18,21 @@ from ..ops.api import resolve_backend
 from .cache import DenseLayerCache, NSALayerCache
 
 
-def _use_triton(backend: str, device: torch.device) -> bool:
-    return resolve_backend(backend, device, seq_len=1) == "triton"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Query dtypes the Triton decode kernels take on a GPU (they compute in float32; float64 stays on the PyTorch
+code there). Triton's CPU interpreter computes in NumPy and takes float64 too."""
+
+
+def _use_triton(backend: str, q: torch.Tensor) -> bool:
+    """Whether `backend` runs q's step on a Triton kernel: 'auto' on CUDA for KERNEL_DTYPES, or 'triton'."""
+    if resolve_backend(backend, q.device, seq_len=1) != "triton":
+        return False
+    if q.dtype in KERNEL_DTYPES or not q.is_cuda:
+        return True
+    if backend == "triton":
+        raise ValueError(f"the Triton decode kernels take float32, bfloat16 or float16 queries, got {q.dtype} on "
+                         f"{q.device}; use backend='reference' (or 'auto')")
+    return False
 
 
 def _as_positions(positions: torch.Tensor | int, batch: int, device) -> torch.Tensor:
@@ -110,14 +123,14 @@ def decode_attention(
     gates [B,H,3] in (cmp, sel, win) order, in [0, 1]. The cache must already hold every token up
     to and including t and the compressed tokens emitted at t; the geometry is the cache's (its compressed
     stream and overlap band were built with it). The chosen blocks are written to cache.selected [B,G,n].
-    backend: 'auto' (the fused Triton kernel on CUDA, this PyTorch code elsewhere), 'reference' (this code) or
-    'triton'.
+    backend: 'auto' (the fused Triton kernel on CUDA, this PyTorch code elsewhere and for float64 on
+    CUDA), 'reference' (this code) or 'triton'.
     """
     b, heads, dk = q.shape
     groups = cache.k.shape[3]
     geometry = cache.geometry
     scale = dk**-0.5 if scale is None else scale
-    if _use_triton(backend, q.device):
+    if _use_triton(backend, q):
         from ..ops.triton.decode import decode_attention_triton
 
         return decode_attention_triton(
@@ -149,13 +162,13 @@ def dense_decode_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal GQA attention o [B,H,Dv] of q [B,H,Dk] over the cached tokens <= t; reads [B,G].
 
-    backend: 'auto' (on CUDA the split-context Triton kernel, nsa.ops.triton.dense_decode; SDPA elsewhere),
-    'reference' (SDPA with the positions as a mask) or 'triton'.
+    backend: 'auto' (on CUDA the split-context Triton kernel, nsa.ops.triton.dense_decode; SDPA elsewhere and for
+    float64 on CUDA), 'reference' (SDPA with the positions as a mask) or 'triton'.
     """
     b, groups = q.shape[0], cache.k.shape[2]
     t = _as_positions(positions, b, q.device)
     reads = (t + 1)[:, None].expand(b, groups)
-    if _use_triton(backend, q.device):
+    if _use_triton(backend, q):
         from ..ops.triton.dense_decode import dense_decode_triton
 
         return dense_decode_triton(q, cache.k, cache.v, t, q.shape[-1] ** -0.5), reads

@@ -19,7 +19,7 @@ from ..model.documents import Documents
 from ..model.rope import apply_rope
 from ..ops import nsa_attention
 from ..ops.api import resolve_backend
-from .attention import decode_attention, dense_decode_attention
+from .attention import KERNEL_DTYPES, decode_attention, dense_decode_attention
 from .cache import DecodeCache, DenseLayerCache, NSALayerCache
 from .fused import FusedWeights, gates_from, input_projections, input_rows
 
@@ -65,7 +65,7 @@ def _nsa_prep_triton(attn: NSAAttention, x, cos, sin, cache: NSALayerCache,
 def _prep_on_triton(backend: str, x: torch.Tensor) -> bool:
     """Whether the step's prep runs as the Triton kernel: where the decode attention does, for the dtypes the
     kernel computes exactly enough (float32 arithmetic: not for float64 models)."""
-    return (x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (x.dtype in KERNEL_DTYPES
             and resolve_backend(backend, x.device, seq_len=1) == "triton")
 
 

@@ -48,6 +48,7 @@ from .resume_rules import config_changes, describe, split_changes, with_added_ke
 from .run_folder import RunFolder, claim_run_folder, discard_unused
 from .signals import StopSignals, exit_code
 from .stop import StopDecision, StopRequests
+from .tf32 import tf32_matmuls
 
 
 def peak_memory_gb(device: torch.device, cudagraphs: bool) -> float:
@@ -158,9 +159,6 @@ class Trainer:
         # config still trains on a CPU.
         self.parallel = cfg.parallel.resolved(self.mode, info.device.type)
         self.bf16 = t.precision == "bf16" or (t.precision == "auto" and info.device.type == "cuda")
-        if info.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
         use_deterministic_algorithms(t.deterministic)
         torch.manual_seed(t.seed)  # the same initial weights on every rank
         self.tokenizer = _agreed_across_ranks(info, lambda: get_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path))
@@ -597,8 +595,9 @@ def train(cfg: RunConfig) -> TrainResult:
         folder = open_run_folder(cfg, info)
         if folder.note and info.is_main:
             print(folder.note)
-        trainer = Trainer(cfg, info, folder.path)
-        result = trainer.run()
+        with tf32_matmuls(info.device):
+            trainer = Trainer(cfg, info, folder.path)
+            result = trainer.run()
         finished = True
         return result
     except BaseException:

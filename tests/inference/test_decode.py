@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nsa.cli import main
 from nsa.config import load_config
 from nsa.errors import UserError
-from nsa.inference import decode_attention, decode_step, new_cache, prefill
+from nsa.inference import decode_attention, decode_step, dense_decode_attention, new_cache, prefill
 from nsa.inference.generate import generate, generate_text, generate_uncached, load_for_inference
 from nsa.model import ModelConfig, NSAParams, Transformer
 from nsa.ops import reference
@@ -347,7 +347,6 @@ def test_the_dense_models_split_decode_kernel_generates_the_full_forwards_argmax
     import functools
 
     import nsa.inference.decode as decode_module
-    from nsa.inference import dense_decode_attention
     from nsa.ops.tuning import TUNING
 
     kernel_calls = []
@@ -355,15 +354,26 @@ def test_the_dense_models_split_decode_kernel_generates_the_full_forwards_argmax
     monkeypatch.setattr(decode_module, "dense_decode_attention",
                         lambda *a, **k: kernel_calls.append(1) or triton_decode(*a, **k))
     monkeypatch.setattr(TUNING, "dense_decode_split", 64)
-    # On a GPU machine Triton has no interpreter: the kernel runs there, on a copy of the model moved to the GPU (the
-    # ragged prefill attends per document through SDPA: head dim 8 is under FlexAttention's minimum). The full
-    # forwards stay on the CPU.
+    # On a GPU machine Triton has no interpreter: the kernel runs there, on a float32 copy of the model moved to the
+    # GPU (the kernel computes in float32; the ragged prefill attends per document through SDPA: head dim 8 is under
+    # FlexAttention's minimum). The full forwards stay on the CPU, in float64.
     model = tiny_model("dense", seed=17)
-    on_kernel = copy.deepcopy(model).to("cuda") if torch.cuda.is_available() else model
+    on_kernel = copy.deepcopy(model).to("cuda", torch.float32) if torch.cuda.is_available() else model
     prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (40, 70, 130)]
     got = generate(on_kernel, prompts, 10, temperature=0)
     assert len(kernel_calls) == 9 * model.cfg.n_layers  # every decoded token after the prefill's
     assert got == [generate_uncached(model, [p], 10, context=1000, temperature=0)[0] for p in prompts]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the float64 fallback is the GPU's (the interpreter takes it)")
+def test_a_float64_model_decodes_on_the_gpu_through_pytorch_and_the_kernel_names_its_dtypes():
+    model = tiny_model("dense", seed=18)
+    on_gpu = copy.deepcopy(model).cuda()
+    prompts = [tokens_for(1, n, seed=n)[0].tolist() for n in (5, 30)]
+    assert generate(on_gpu, prompts, 6, temperature=0) == generate(model, prompts, 6, temperature=0)
+    cache = new_cache(on_gpu, 1, 8).layers[0]
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        dense_decode_attention(torch.zeros(1, 4, 8, dtype=torch.float64, device="cuda"), cache, 0, backend="triton")
 
 
 @pytest.mark.parametrize("prompt_len,new_tokens", [(1, 3), (2, 5), (2, 6), (3, 10)])
