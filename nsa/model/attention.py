@@ -13,6 +13,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from ..errors import ConfigError
 from ..ops import nsa_attention, select_blocks
+from ..ops.api import resolve_backend
 from .compression import BlockCompressor, compress_pair
 from .config import ModelConfig
 from .documents import Documents
@@ -161,6 +162,12 @@ class NSAAttention(nn.Module):
                 documents: Documents | None = None) -> torch.Tensor:
         """x [B,T,dim] -> [B,T,dim]. With documents (packed sequences), cos/sin are at document-relative positions
         and every document is its own sequence: the batch runs as one packed stream of B*T tokens."""
+        if documents is not None and resolve_backend(self.cfg.nsa.backend, x.device, x.shape[1]) == "reference":
+            return _attend_untraced(self, x, cos, sin, documents)
+        return self._attend(x, cos, sin, documents)
+
+    def _attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None) -> torch.Tensor:
         b, t, _ = x.shape
         p, cu_seqlens = _packed(self.project(x, cos, sin), documents)
         k_cmp, v_cmp = compress_pair(self.compress_k, self.compress_v, p["k_cmp"], p["v_cmp"], cu_seqlens)
@@ -168,6 +175,12 @@ class NSAAttention(nn.Module):
                           p["gates"].to(p["q"].dtype), geometry=self.geometry, backend=self.cfg.nsa.backend,
                           cu_seqlens=cu_seqlens)
         return self.wo(o.reshape(b, t, self.n_heads * self.head_dim))
+
+
+# The PyTorch code's packed documents loop over the boundaries as Python ints: under torch.compile they would be
+# specialised to each batch's boundaries (a recompile a batch, up to Dynamo's limit) and break the graph between
+# views, which AOTAutograd failed to rebuild on the CPU. The kernels' packed op is opaque to the compiler instead.
+_attend_untraced = torch.compiler.disable(NSAAttention._attend)
 
 
 def _packed(p: dict[str, torch.Tensor], documents: Documents | None) -> tuple[dict[str, torch.Tensor],

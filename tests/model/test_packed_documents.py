@@ -52,6 +52,28 @@ def test_the_packed_loss_is_the_token_weighted_mean_of_each_document_run_alone(a
 
 
 @pytest.mark.parametrize("attention", ["dense", "nsa"])
+def test_the_compiled_model_gives_the_eager_loss_and_gradients_and_new_boundaries_do_not_recompile_it(attention):
+    # The CPU's NSA attends per document in PyTorch, outside the traced graph (its loop reads the boundaries as
+    # ints): a compiled block compiles once, whatever the boundaries, and gives the eager numbers.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    m = model(attention)
+    compiled = torch.compile(m, backend=counter, dynamic=False)
+    torch._dynamo.reset()
+    frames = []
+    for cut in ([0, 7, 8, 24], [0, 3, 24, 30], [0, 24, 40, 41]):
+        x, y = batch(seed=len(frames))
+        cu = padded(torch.tensor(cut), B * T)
+        want = torch.autograd.grad(m(x, y, cu), list(m.parameters()))
+        got = torch.autograd.grad(loss := compiled(x, y, cu), list(m.parameters()))
+        torch.testing.assert_close(loss, m(x, y, cu), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames[1:] == frames[:1] * 2
+
+
+@pytest.mark.parametrize("attention", ["dense", "nsa"])
 def test_changing_one_document_changes_no_other_documents_logits_or_gradients(attention):
     m = model(attention)
     x, _ = batch()

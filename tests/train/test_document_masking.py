@@ -84,11 +84,12 @@ def test_document_masking_is_fixed_on_resume_and_runs_saved_before_it_existed_tr
     assert eval_run_config(saved, ["data.document_masking=true"]).data.masks_documents() is True
 
 
-def test_the_compiled_blocks_train_on_packed_documents(tmp_path):
-    common = FAST + [f"train.out_dir={tmp_path}", "train.steps=3", "model.attention=dense",
+@pytest.mark.parametrize("attention,checkpointing", [("dense", "true"), ("nsa", "false")])
+def test_the_compiled_blocks_train_on_packed_documents(tmp_path, attention, checkpointing):
+    common = FAST + [f"train.out_dir={tmp_path}", "train.steps=3", f"model.attention={attention}",
                      "data.document_masking=true"]
     compiled = train(load_config(None, common + ["train.run_name=c", "parallel.compile=true",
-                                                 "parallel.activation_checkpointing=true"]))
+                                                 f"parallel.activation_checkpointing={checkpointing}"]))
     eager = train(load_config(None, common + ["train.run_name=e"]))
     for step, loss in eager.losses.items():
         assert compiled.losses[step] == pytest.approx(loss, abs=1e-4)
