@@ -164,8 +164,8 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     grids = _grids(rows, skipped, opts, title)
     selection = _grids(rows, skipped, opts, f"needle block selected, {title}", key="needle_selected")
     panels = {task: [grid] + ([selection[task]] if task in selection else []) for task, grid in grids.items()}
-    images = _write_outputs(out, rows, skipped, panels, _summary(path, cfg, model, device, step, name, validation, opts,
-                                                         rows, skipped))
+    summary = _summary(path, cfg, model, device, step, name, validation, opts, rows, skipped)
+    images = _write_outputs(out, rows, skipped, panels, summary)
     for task, grid in grids.items():
         print(f"\n{task}: exact-match accuracy of {opts.samples} samples per cell (rows: needle depth, columns: "
               "context length; mean and 95% interval over all samples of a length)")
@@ -177,6 +177,9 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
             print(f"\n{task}: needle block selected at a query of the question "
                   "(share of layers x kv groups; forced blocks count)")
             print(_table(selection[task]))
+            print(f"\n{task}: per layer at the queries of the question, over every depth: the needle block selected "
+                  "(share of kv groups) and the gates, compressed / selected / window")
+            print(layer_table(summary["retrieval"], task))
     print(f"\nwrote {out / 'eval.csv'}, {out / 'eval.json'}" + "".join(f", {p.name}" for p in images))
     return EvalResult(out, validation, rows, skipped, images)
 
@@ -443,6 +446,26 @@ def _interval_rows(rows: list[dict], task: str, lengths: list[int]) -> list[dict
         interval[label] = f"{pooled['ci_low']:.2f}-{pooled['ci_high']:.2f}"
         samples[label] = str(pooled["samples"])
     return [mean, interval, samples]
+
+
+def layer_table(retrieval: dict, task: str) -> str:
+    """Per NSA layer (rows) and length (columns), from eval.json's "retrieval" section: the share of kv groups
+    that selected the needle's block at a query of the question, and that layer's gates there (compressed /
+    selected / window). Which layer fetches the needle, and through which branch, shows here and not in the
+    means over layers."""
+    from ..bench.common import format_table
+
+    selected = retrieval["needle_selected_by_layer"].get(task, {})
+    gates = retrieval["question_gates_by_layer"].get(task, {})
+    lengths = [n for n in selected if n in gates]
+    table = []
+    for layer in range(len(selected[lengths[0]]) if lengths else 0):
+        row = {"layer": str(layer)}
+        for n in lengths:
+            shares = "/".join(f"{g:.2f}" for g in gates[n][layer])
+            row[length_label(int(n))] = f"{selected[n][layer]:.2f}  {shares}"
+        table.append(row)
+    return format_table(table, ["layer"] + [length_label(int(n)) for n in lengths])
 
 
 def _table(grid: Grid, footer: list[dict[str, str]] | None = None) -> str:

@@ -356,6 +356,21 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
     assert re.search(rf"^ *95% CI .* {pooled['ci_low']:.2f}-{pooled['ci_high']:.2f} ", table, re.M)
     assert re.search(r"^ *samples +6 +6 +6$", table, re.M)
     assert "passkey: needle block selected" in printed
+    # The per-layer table: layer 1's row at 256 tokens holds its selection share and its three gates.
+    layers = printed.split("passkey: per layer at the queries of the question")[1].split("\n\n")[0]
+    one = "/".join(f"{g:.2f}" for g in gates[1])
+    assert re.search(rf"^ +1 .* {by_layer[1]:.2f}  {one}$", layers, re.M)
+
+
+def test_the_layer_table_shows_each_layers_selection_and_gates_per_length():
+    retrieval = {"needle_selected_by_layer": {"passkey": {"4096": [1.0, 0.25], "8192": [0.5, 0.75]}},
+                 "question_gates_by_layer": {"passkey": {"4096": [[0.2, 0.3, 0.5], [0.1, 0.8, 0.1]],
+                                                         "8192": [[0.3, 0.3, 0.4], [0.6, 0.2, 0.2]]}}}
+    lines = runner.layer_table(retrieval, "passkey").splitlines()
+    assert lines[0].split() == ["layer", "4K", "8K"]
+    assert lines[2].split() == ["0", "1.00", "0.20/0.30/0.50", "0.50", "0.30/0.30/0.40"]
+    assert lines[3].split() == ["1", "0.25", "0.10/0.80/0.10", "0.75", "0.60/0.20/0.20"]
+    assert len(runner.layer_table(retrieval, "kv").splitlines()) == 2  # a task without records: no rows
 
 
 def test_eval_takes_32_samples_per_cell_unless_told(monkeypatch):
