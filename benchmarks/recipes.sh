@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--attention nsa,dense]
 #            [--stages SEQxBATCH[+LENGTH...]:STEPS,...] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N]
-#            [--eval-tasks passkey,kv] [--from-stage K:key=value ...] [--through-stage K]
+#            [--eval-tasks passkey,kv,multikey] [--from-stage K:key=value ...] [--through-stage K]
 #            [-- key=value ...]
 #
 # One recipe of configs/recipes/ from start to end, every run in OUT_DIR (docs/evaluation.md, "The recipes"):
@@ -24,8 +24,8 @@
 #                        16384x4+4096+8192+32768+65536+65536+65536+65536+65536+65536:600)
 #   --extend STEPS      retrieval steps after the curriculum (default 300; 0: none)
 #   --eval-lengths L,.. and --eval-samples N: the retrieval evaluation's grid (nsa eval's --lengths, --samples)
-#   --eval-tasks LIST   the retrieval tasks evaluated (nsa eval's --tasks; default passkey; kv needs runs trained
-#                       on it too, e.g. -- data.retrieval.task=mixed)
+#   --eval-tasks LIST   the retrieval tasks evaluated (nsa eval's --tasks; default passkey; kv and multikey need
+#                       runs trained on them too, e.g. -- data.retrieval.task=mixed or =multikey)
 #   --from-stage K:key=value   (repeatable) an override for the retrieval curriculum's stage K (1 for the
 #                       first) and every later stage and the extension, e.g. --from-stage 4:model.nsa.gate_floor=0.02
 #                       (only keys a resume applies: `nsa train` refuses a changed model shape or data stream)
@@ -37,7 +37,7 @@
 # Training runs eagerly (parallel.compile=false, as the recipes' results were measured; the retrieval stages'
 # many lengths would each compile): override with -- parallel.compile=true.
 set -euo pipefail
-usage="usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--first-seed S] [--attention nsa,dense] [--stages SPEC] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N] [--eval-tasks passkey,kv] [--from-stage K:key=value ...] [--through-stage K] [-- key=value ...]"
+usage="usage: bash benchmarks/recipes.sh {learn|retrieval} OUT_DIR [--seeds N] [--first-seed S] [--attention nsa,dense] [--stages SPEC] [--extend STEPS] [--eval-lengths L,...] [--eval-samples N] [--eval-tasks passkey,kv,multikey] [--from-stage K:key=value ...] [--through-stage K] [-- key=value ...]"
 fail() { echo "recipes.sh: $*" >&2; exit 2; }
 if [[ $# -lt 2 || ! $1 =~ ^(learn|retrieval)$ || $2 == -* ]]; then echo "$usage" >&2; exit 2; fi
 recipe=$1 out_arg=$2
@@ -60,7 +60,8 @@ while [[ $# -gt 0 ]]; do
         --extend) [[ $2 =~ ^[0-9]+$ ]] || fail "--extend takes a number of steps (got '$2')"; extend=$2 ;;
         --eval-lengths) eval_args+=(--lengths "$2") ;;
         --eval-samples) eval_args+=(--samples "$2") ;;
-        --eval-tasks) [[ $2 =~ ^(passkey|kv)(,(passkey|kv))*$ ]] || fail "--eval-tasks takes passkey, kv or passkey,kv (got '$2')"
+        --eval-tasks) [[ $2 =~ ^(passkey|kv|multikey)(,(passkey|kv|multikey))*$ ]] ||
+                        fail "--eval-tasks takes passkey, kv, multikey or a list of them, e.g. passkey,multikey (got '$2')"
                       eval_tasks=$2 ;;
         --from-stage) [[ $2 =~ ^([1-9][0-9]*):([^=]+=.*)$ ]] ||
                         fail "--from-stage takes K:key=value, e.g. 4:model.nsa.gate_floor=0.02 (got '$2')"

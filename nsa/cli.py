@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(0: the start of the context; default 0,0.1,...,1)")
     p.add_argument("--samples", type=int, default=32, help="examples per (task, length, depth) cell; each "
                    "accuracy comes with its 95%% interval over them (default 32)")
-    p.add_argument("--tasks", default="passkey,kv", help="comma-separated: passkey, kv (none: validation only)")
+    p.add_argument("--tasks", default="passkey,kv", help="comma-separated: passkey, kv, multikey (none: validation only)")
     p.add_argument("--val-batches", type=int, default=8, help="validation batches of the run's batch size and "
                    "sequence length (0: skip the validation loss)")
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per retrieval forward pass")

@@ -11,12 +11,14 @@ class RetrievalConfig:
     """The synthetic retrieval task of data.source='retrieval' (nsa/data/retrieval.py): every training sequence
     is one fresh example of train.seq_len tokens, its needle at a uniformly random depth (see depth_ends)."""
 
-    task: Literal["passkey", "kv", "mixed"] = "passkey"
+    task: Literal["passkey", "kv", "multikey", "mixed"] = "passkey"
     """'passkey': a 5-digit pass key hidden in filler, asked for at the end; 'kv': many 'The value of key K is
-    V.' pairs in filler, one key asked for; 'mixed': each sequence picks one of the two at random."""
+    V.' pairs in filler, one key asked for; 'multikey': several labelled pass keys ('The red pass key is N.'),
+    one label asked for; 'mixed': each sequence picks passkey or kv at random."""
     kv_pairs: int = 8
-    """Key-value pairs per kv example (the queried one and distractors; fewer where they would fill more than
-    half of the sequence). `nsa eval` uses the same number."""
+    """Key-value pairs per kv example, or labelled pass keys per multikey example (at most 16), the queried one
+    and distractors; fewer where they would fill more than half of the sequence. `nsa eval` uses the same
+    number."""
     loss: Literal["all", "answer"] = "all"
     """'all': the next-token loss on every token, as for text; 'answer': on the answer's tokens only (the other
     targets are -1, which the loss ignores). At 16k tokens the ~6 answer tokens are otherwise a 1/2700 share of

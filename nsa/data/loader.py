@@ -21,7 +21,7 @@ import torch
 
 from ..errors import UserError
 from .boundaries import boundaries_for
-from .retrieval import TASKS, RetrievalTasks, example_rng
+from .retrieval import MIXED_TASKS, RetrievalTasks, example_rng
 from .config import DataConfig
 from .packing import build_splits
 from .shards import ShardWindows, load_meta
@@ -197,7 +197,7 @@ class RetrievalBatches:
             raise UserError(f"data.retrieval.tail must be >= 0, got {tail}")
         if not 0.0 <= depth_ends <= 1.0:
             raise UserError(f"data.retrieval.depth_ends is a share of the examples: set it in [0, 1], got {depth_ends}")
-        for name in TASKS if task == "mixed" else (task,):
+        for name in MIXED_TASKS if task == "mixed" else (task,):
             try:  # here, at setup, rather than on the prefetch thread
                 tasks.example(name, min(self.lengths) + 1 - tail, 0.5, example_rng(seed))
             except ValueError as e:
@@ -216,7 +216,7 @@ class RetrievalBatches:
         length = self._length()
         for row in range(self.seq_len * self.batch_size // length):
             rng = example_rng(self.seed, self.rank, self.counter, row)
-            task = TASKS[int(rng.integers(len(TASKS)))] if self.task == "mixed" else self.task
+            task = MIXED_TASKS[int(rng.integers(len(MIXED_TASKS)))] if self.task == "mixed" else self.task
             tail = int(rng.integers(self.tail + 1)) if self.tail else 0  # no draw at 0: the stream stays as it was
             example = self.tasks.example(task, length + 1 - tail, self._depth(rng), rng)
             rows.append(np.concatenate([example.tokens, self.tasks.filler(tail, rng)]))

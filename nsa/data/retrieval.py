@@ -1,4 +1,5 @@
-"""Synthetic long-context retrieval examples: a passkey, or one key of many key-value pairs, hidden in filler.
+"""Synthetic long-context retrieval examples: a passkey, one key of many key-value pairs, or one of several
+labelled pass keys, hidden in filler.
 
 An example is exactly `length` tokens of the given tokenizer and ends with its answer:
 
@@ -8,6 +9,10 @@ An example is exactly `length` tokens of the given tokenizer and ends with its a
   The pass key is" and the answer " NNNNN".
 - kv (multi-key associative recall): several " The value of key KKKKK is VVVVV." pairs, the queried one at
   the requested depth and the others (distractors) at random places; the question asks for the queried key.
+- multikey (several needles): labelled pass keys " The LABEL pass key is NNNNN. Remember it.", the queried one
+  at the requested depth and the others (distractors, other labels and keys) at random places; the question
+  " What is the LABEL pass key? The LABEL pass key is" and the answer " NNNNN". Like passkey, the needle's
+  words occur nowhere in the filler; unlike it, every distractor has them too, so the label decides.
 
 Depth is the needle's start over the haystack (everything before the question) less the needle:
 0 puts it first, 1 right before the question. Needles go between filler sentences, so the achieved depth
@@ -27,7 +32,10 @@ import numpy as np
 
 from .tokenizers import Tokenizer
 
-TASKS = ("passkey", "kv")
+TASKS = ("passkey", "kv", "multikey")
+MIXED_TASKS = ("passkey", "kv")
+"""The tasks data.retrieval.task='mixed' draws from (the two it has always drawn from: a mixed stream stays
+the same when tasks are added)."""
 
 
 class ExampleTooShort(ValueError):
@@ -48,7 +56,11 @@ PASSKEY_DIGITS = 5
 KV_CHARS = 5
 KV_ALPHABET = string.ascii_lowercase + string.digits
 KV_MAX_SHARE = 0.5
-"""The key-value pairs of a kv example take at most this share of its tokens; the rest is filler."""
+"""The key-value pairs of a kv example (or the needles of a multikey one) take at most this share of its
+tokens; the rest is filler."""
+LABELS = ("red", "orange", "purple", "black", "white", "silver", "golden", "brown", "pink", "grey", "violet",
+          "crimson", "amber", "ivory", "scarlet", "teal")
+"""The labels of multikey's pass keys: words the filler never uses (it has green, blue and yellow)."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,7 @@ class RetrievalExample:
     question_start: int
     """First token of the question (it runs up to answer_start)."""
     distractors: int = 0
-    """Key-value pairs besides the queried one (kv)."""
+    """Key-value pairs (kv) or pass keys (multikey) besides the queried one."""
 
     @property
     def answer_len(self) -> int:
@@ -96,24 +108,30 @@ class RetrievalTasks:
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"depth must be in [0, 1], got {depth}")
         if task == "passkey":
-            key = str(rng.integers(1, 10)) + "".join(str(d) for d in rng.integers(0, 10, PASSKEY_DIGITS - 1))
+            key = _pass_key(rng)
             needle = self._encode(f" The pass key is {key}. Remember it.")
             question = self._encode(" What is the pass key? The pass key is")
             return self._assemble(task, length, depth, rng, needle, [], question, key)
-        keys = self._distinct_strings(rng, self.kv_pairs)
-        values = [_random_string(rng) for _ in keys]
-        pairs = [self._encode(f" The value of key {k} is {v}.") for k, v in zip(keys, values)]
-        question = self._encode(f" What is the value of key {keys[0]}? The value of key {keys[0]} is")
+        if task == "multikey":
+            labels = [LABELS[i] for i in rng.permutation(len(LABELS))[:min(self.kv_pairs, len(LABELS))]]
+            values = [_pass_key(rng) for _ in labels]
+            needles = [self._encode(f" The {label} pass key is {v}. Remember it.") for label, v in zip(labels, values)]
+            question = self._encode(f" What is the {labels[0]} pass key? The {labels[0]} pass key is")
+        else:
+            keys = self._distinct_strings(rng, self.kv_pairs)
+            values = [_random_string(rng) for _ in keys]
+            needles = [self._encode(f" The value of key {k} is {v}.") for k, v in zip(keys, values)]
+            question = self._encode(f" What is the value of key {keys[0]}? The value of key {keys[0]} is")
         answer_len = len(self._encode(" " + values[0]))
         # Distractors fill at most KV_MAX_SHARE of the example, so short contexts keep some haystack.
-        budget = KV_MAX_SHARE * length - len(pairs[0]) - len(question) - answer_len
+        budget = KV_MAX_SHARE * length - len(needles[0]) - len(question) - answer_len
         distractors = []
-        for pair in pairs[1:]:
-            if len(pair) > budget:
+        for needle in needles[1:]:
+            if len(needle) > budget:
                 break
-            distractors.append(pair)
-            budget -= len(pair)
-        return self._assemble(task, length, depth, rng, pairs[0], distractors, question, values[0])
+            distractors.append(needle)
+            budget -= len(needle)
+        return self._assemble(task, length, depth, rng, needles[0], distractors, question, values[0])
 
     def _distinct_strings(self, rng: np.random.Generator, n: int) -> list[str]:
         out: list[str] = []
@@ -173,6 +191,11 @@ class RetrievalTasks:
         all_starts = (np.arange(reps)[:, None] * len(cycle) + starts[None, :]).ravel()
         inside = all_starts[(all_starts > begin) & (all_starts < end)] - begin
         return stream[begin:end], [0, *inside.tolist(), n] if n > 0 else [0]
+
+
+def _pass_key(rng: np.random.Generator) -> str:
+    """PASSKEY_DIGITS random digits, the first not 0."""
+    return str(rng.integers(1, 10)) + "".join(str(d) for d in rng.integers(0, 10, PASSKEY_DIGITS - 1))
 
 
 def _random_string(rng: np.random.Generator) -> str:

@@ -179,7 +179,7 @@ def no_gpu(tmp_path) -> Path:
     ("recipes.sh", ["learn", "{out}", "--attention", "nsa,flex"], "--attention takes nsa, dense"),
     ("recipes.sh", ["retrieval", "{out}", "--stages", "256x4:10,512:10"], "--stages takes SEQxBATCH"),
     ("recipes.sh", ["retrieval", "{out}", "--extend"], "--extend needs a value"),
-    ("recipes.sh", ["retrieval", "{out}", "--eval-tasks", "needle"], "--eval-tasks takes passkey, kv or passkey,kv"),
+    ("recipes.sh", ["retrieval", "{out}", "--eval-tasks", "needle"], "--eval-tasks takes passkey, kv, multikey or a list"),
     ("recipes.sh", ["learn", "{out}", "--fast"], "unknown option '--fast'"),
     ("recipes.sh", ["retrieval", "{out}", "--from-stage", "0:model.nsa.gate_floor=0.02"], "--from-stage takes K:key=value"),
     ("recipes.sh", ["retrieval", "{out}", "--from-stage", "2:gate_floor"], "--from-stage takes K:key=value"),

@@ -22,7 +22,7 @@ from nsa.errors import UserError
 from nsa.eval import runner
 from nsa.eval.compare import USED_GATE, render_compare
 from nsa.eval.intervals import wilson_interval
-from nsa.data.retrieval import FILLER, RetrievalTasks, example_rng
+from nsa.data.retrieval import FILLER, LABELS, RetrievalTasks, example_rng
 from nsa.eval.scoring import answer_logits, exact_match
 from nsa.inference.generate import generate
 from nsa.model import Transformer
@@ -57,7 +57,7 @@ def assert_png(path: Path) -> None:
 
 
 @pytest.mark.parametrize("tokenizer", tokenizers(), ids=lambda t: t.name)
-@pytest.mark.parametrize("task", ["passkey", "kv"])
+@pytest.mark.parametrize("task", ["passkey", "kv", "multikey"])
 def test_examples_hit_the_length_exactly_and_put_the_needle_at_the_depth(tokenizer, task):
     tasks = RetrievalTasks(tokenizer, kv_pairs=6)
     longest_sentence = max(len(tokenizer.encode(s)) for s in FILLER)
@@ -81,6 +81,16 @@ def test_examples_hit_the_length_exactly_and_put_the_needle_at_the_depth(tokeniz
             if task == "passkey":
                 assert needle == f" The pass key is {ex.answer}. Remember it."
                 assert len(ex.answer) == 5 and ex.answer.isdigit()
+            elif task == "multikey":
+                label = needle.split(" ")[2]
+                assert needle == f" The {label} pass key is {ex.answer}. Remember it." and label in LABELS
+                assert len(ex.answer) == 5 and ex.answer.isdigit()
+                text = tokenizer.decode(ex.tokens)
+                assert text.count(f" {label} pass key") == 3  # the needle and the question's two, no distractor
+                assert text.endswith(f" What is the {label} pass key? The {label} pass key is {ex.answer}")
+                assert text.count(" pass key is ") == ex.distractors + 2
+                if length == 1024:
+                    assert ex.distractors == 5  # all six needles fit in half of 1024 tokens
             else:
                 key = needle.split("key ")[1].split(" ")[0]
                 assert needle == f" The value of key {key} is {ex.answer}."
@@ -95,6 +105,9 @@ def test_examples_hit_the_length_exactly_and_put_the_needle_at_the_depth(tokeniz
 def _question(task, tokenizer, ex):
     if task == "passkey":
         return " What is the pass key? The pass key is"
+    if task == "multikey":
+        label = tokenizer.decode(ex.tokens[ex.needle_start:ex.needle_start + ex.needle_len]).split(" ")[2]
+        return f" What is the {label} pass key? The {label} pass key is"
     key = tokenizer.decode(ex.tokens[ex.needle_start:ex.needle_start + ex.needle_len]).split("key ")[1].split(" ")[0]
     return f" What is the value of key {key}? The value of key {key} is"
 
@@ -381,24 +394,25 @@ def test_eval_takes_32_samples_per_cell_unless_told(monkeypatch):
     assert runner.EvalOptions(lengths=[128], depths=[0.0], tasks=["kv"]).samples == 32
 
 
-def test_kv_trains_as_a_retrieval_source_and_is_evaluated_with_intervals(tmp_path, capsys):
-    """kv, the second task (the queried key among distractor pairs of the same form), trains with
-    data.retrieval.task=kv and is scored cell by cell like passkey."""
-    train(load_config(None, TINY + ["data.source=retrieval", "data.retrieval.task=kv", "data.retrieval.kv_pairs=4",
-                                    "train.steps=2", "train.eval_every=2", f"train.out_dir={tmp_path}",
-                                    "train.run_name=kv"]))
-    assert "synthetic kv retrieval examples" in capsys.readouterr().out
-    assert main(["eval", str(tmp_path / "kv"), "--tasks", "kv", "--lengths", "128,160", "--depths", "0,1",
+@pytest.mark.parametrize("task", ["kv", "multikey"])
+def test_the_harder_tasks_train_as_retrieval_sources_and_are_evaluated_with_intervals(tmp_path, capsys, task):
+    """kv (the queried key among distractor pairs of the same form) and multikey (the queried label's pass key
+    among other labelled pass keys) train with data.retrieval.task and are scored cell by cell like passkey."""
+    train(load_config(None, TINY + ["data.source=retrieval", f"data.retrieval.task={task}",
+                                    "data.retrieval.kv_pairs=4", "train.steps=2", "train.eval_every=2",
+                                    f"train.out_dir={tmp_path}", f"train.run_name={task}"]))
+    assert f"synthetic {task} retrieval examples" in capsys.readouterr().out
+    assert main(["eval", str(tmp_path / task), "--tasks", task, "--lengths", "128,160", "--depths", "0,1",
                  "--samples", "3", "--val-batches", "1", "--no-progress"]) == 0
-    out = tmp_path / "kv" / "eval"
+    out = tmp_path / task / "eval"
     rows = list(csv.DictReader(open(out / "eval.csv")))
     assert [(r["task"], r["length"], r["depth"], r["samples"]) for r in rows] == [
-        ("kv", n, d, "3") for n in ("128", "160") for d in ("0", "1")]
+        (task, n, d, "3") for n in ("128", "160") for d in ("0", "1")]
     for r in rows:
         low, high = wilson_interval(int(r["correct"]), 3)
         assert (float(r["ci_low"]), float(r["ci_high"])) == (round(low, 4), round(high, 4))
     info = json.loads((out / "eval.json").read_text())["retrieval"]
-    assert info["kv_pairs"] == 4 and info["mean_accuracy_interval"]["kv"]["160"]["samples"] == 6
+    assert info["kv_pairs"] == 4 and info["mean_accuracy_interval"][task]["160"]["samples"] == 6
 
 
 def test_eval_of_a_dense_model_leaves_needle_selection_blank(runs, tmp_path):
