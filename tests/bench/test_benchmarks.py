@@ -244,17 +244,19 @@ def test_the_learn_recipe_trains_evaluates_and_compares_both_models(tmp_path):
 @pytest.mark.slow
 def test_the_retrieval_recipe_runs_its_curriculum_as_one_run(tmp_path):
     """Two stages of 2 steps (128 x 4, then 256 x 2 mixed with 512) and 2 more steps: one 6-step schedule; trained
-    on both tasks and evaluated on both; the gate floor from the second stage on. The first launch stops after the
-    first stage (at the whole schedule's rates), the second goes on from there."""
+    on both tasks and evaluated on both; the gate floor and a wider window from the second stage on. The first
+    launch stops after the first stage (at the whole schedule's rates), the second goes on from there."""
     command = ["recipes.sh", "retrieval", str(tmp_path / "runs"), "--attention", "nsa", "--stages",
                "128x4:2,256x2+512:2", "--extend", "2", "--eval-lengths", "256,512", "--eval-samples", "1",
-               "--eval-tasks", "passkey,kv", "--from-stage", "2:model.nsa.gate_floor=0.02"]
-    overrides = ["--", *TINY, "data.retrieval.task=mixed"]
+               "--eval-tasks", "passkey,kv", "--from-stage", "2:model.nsa.gate_floor=0.02",
+               "--from-stage", "2:model.nsa.window=512"]
+    overrides = ["--", *TINY, "data.retrieval.task=mixed", "model.nsa.window=64"]
     run = tmp_path / "runs" / "retrieval-nsa-1337"
     first = _bash(*command, "--through-stage", "1", *overrides, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert (config["train"]["steps"], config["train"]["seq_len"], config["model"]["nsa"]["gate_floor"]) == (4, 128, 0)
+    assert config["model"]["nsa"]["window"] == 64
     assert [r.split(",")[0] for r in (run / "metrics.csv").read_text().splitlines()[1:]] == ["1", "2"]
     out = _bash(*command, *overrides, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -266,6 +268,7 @@ def test_the_retrieval_recipe_runs_its_curriculum_as_one_run(tmp_path):
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert (config["train"]["steps"], config["train"]["seq_len"], config["train"]["batch_size"]) == (6, 256, 2)
     assert config["data"]["retrieval"]["mix_lengths"] == [512] and config["model"]["nsa"]["gate_floor"] == 0.02
+    assert config["model"]["nsa"]["window"] == 512 and re.search(r"model\.nsa\.window 64 -> 512", out.stdout)
     evaluated = (run / "eval" / "eval.csv").read_text()
     assert "passkey" in evaluated and "\nkv," in evaluated
     compared = (tmp_path / "runs" / "compare" / "compare.md").read_text()
