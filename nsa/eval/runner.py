@@ -21,10 +21,11 @@ from ..errors import UserError
 from ..plots.retrieval import plot_grids
 from .grid import Grid, length_label
 from .intervals import wilson_interval
-from .scoring import ValidationLoss, exact_match, validation_loss
+from .scoring import ValidationLoss, answer_hits, validation_loss
 from .selection import needle_selected, nsa_layers, record_selection
 
-CSV_FIELDS = ["task", "length", "depth", "samples", "correct", "accuracy", "ci_low", "ci_high", "needle_selected"]
+CSV_FIELDS = ["task", "length", "depth", "samples", "correct", "accuracy", "ci_low", "ci_high", "first_token",
+              "needle_selected"]
 """eval.csv's columns; ci_low and ci_high bound the accuracy's 95% Wilson interval over the cell's samples."""
 
 
@@ -168,7 +169,8 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     images = _write_outputs(out, rows, skipped, panels, summary)
     for task, grid in grids.items():
         print(f"\n{task}: exact-match accuracy of {opts.samples} samples per cell (rows: needle depth, columns: "
-              "context length; mean and 95% interval over all samples of a length)")
+              "context length; mean and 95% interval over all samples of a length, and the share whose first answer "
+              "token was right)")
         print(_table(grid, _interval_rows(rows, task, opts.lengths)))
         for s in skipped:
             if s["task"] == task:
@@ -239,7 +241,7 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
             try:
                 # Seeded by the cell's coordinates, not its place in the lists: the same cell of two
                 # evaluations (any --tasks order, any other depths) holds the same examples.
-                # length + 1 tokens, of which the model reads `length` (exact_match): the trainer's layout for
+                # length + 1 tokens, of which the model reads `length` (answer_hits): the trainer's layout for
                 # train.seq_len = length. (A model trained at a fixed length sees its question end at the same
                 # place in every example; NSA's block grid is fixed to positions, so that place is part of what
                 # it was trained on.)
@@ -253,20 +255,21 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
                                           f"tokens; give --lengths {e.needed - 1} or more)"})
                 bar.update(cell)
                 continue
-            hits, selected, gates, failure = _score(model, examples, opts.batch_tokens // length, device, bar.update)
-            if failure is not None:
-                skipped.append({"task": task, "length": length, "reason": failure})
-                bar.write(f"{task} at {length:,} tokens: skipped: {failure}")
-                bar.update(cell - len(hits))
+            scores = _score(model, examples, opts.batch_tokens // length, device, bar.update)
+            if scores.failure is not None:
+                skipped.append({"task": task, "length": length, "reason": scores.failure})
+                bar.write(f"{task} at {length:,} tokens: skipped: {scores.failure}")
+                bar.update(cell - len(scores.exact))
                 continue
             for d, depth in enumerate(opts.depths):
                 cell = slice(d * opts.samples, (d + 1) * opts.samples)
-                cell_hits, by_layer = hits[cell], np.array(selected[cell], dtype=float)  # [samples, layers]
-                cell_gates = np.array(gates[cell], dtype=float)  # [samples, layers, 3]
+                cell_hits, by_layer = scores.exact[cell], np.array(scores.selected[cell], dtype=float)  # [samples, L]
+                cell_gates = np.array(scores.gates[cell], dtype=float)  # [samples, layers, 3]
                 correct = sum(cell_hits)
                 low, high = wilson_interval(correct, len(cell_hits))
                 rows.append({"task": task, "length": length, "depth": depth, "samples": len(cell_hits),
                              "correct": correct, "accuracy": correct / len(cell_hits), "ci_low": low, "ci_high": high,
+                             "first_token": sum(scores.first[cell]) / len(cell_hits),
                              "needle_selected": float(by_layer.mean()) if by_layer.size else None,
                              "needle_selected_by_layer": by_layer.mean(0).tolist() if by_layer.size else None,
                              "question_gates_by_layer": cell_gates.mean(0).tolist() if cell_gates.size else None})
@@ -276,16 +279,22 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
     return rows, skipped
 
 
-def _score(model, examples, batch: int, device: torch.device, progress: Callable[[int], object]
-           ) -> tuple[list[bool], list[list[float]], list[list[list[float]]], str | None]:
-    """Exact match of every example, in batches; for an NSA model, per example and layer, the share of kv
-    groups whose selection at a query of the question holds the needle (empty lists for a dense model); and
-    None, or a one-line reason when memory ran out."""
+@dataclass
+class _Scores:
+    """Per example, in order: exact match, the answer's first token right, and for an NSA model per layer the
+    share of kv groups whose selection at a query of the question holds the needle and the gates there
+    (empty lists for a dense model). failure: None, or a one-line reason when memory ran out."""
+    exact: list[bool] = field(default_factory=list)
+    first: list[bool] = field(default_factory=list)
+    selected: list[list[float]] = field(default_factory=list)
+    gates: list[list[list[float]]] = field(default_factory=list)
+    failure: str | None = None
+
+
+def _score(model, examples, batch: int, device: torch.device, progress: Callable[[int], object]) -> _Scores:
+    """Score the examples in batches of `batch` (_Scores)."""
     batch = max(1, batch)
-    hits: list[bool] = []
-    selected: list[list[float]] = []
-    gates: list[list[list[float]]] = []
-    failure = None
+    scores = _Scores()
     layers = nsa_layers(model)
     sel_block = layers[0].cfg.nsa.sel_block if layers else 0
     try:
@@ -295,24 +304,26 @@ def _score(model, examples, batch: int, device: torch.device, progress: Callable
             start = torch.tensor([e.answer_start for e in chunk], device=device)
             length = torch.tensor([e.answer_len for e in chunk], device=device)
             with record_selection(model, _question_queries(chunk, device)) as record:
-                hits += exact_match(model, tokens, start, length).tolist()
+                hits = answer_hits(model, tokens, start, length)  # [B, longest answer]
+            scores.exact += hits.all(-1).tolist()
+            scores.first += hits[:, 0].tolist()
             if record.blocks:
                 needle = torch.tensor([[e.needle_start, e.needle_len] for e in chunk], device=device)
                 found = needle_selected(record.blocks, needle[:, 0], needle[:, 1], sel_block)  # [B,L,G]
-                selected += found.float().mean(-1).tolist()
-                gates += torch.stack(record.gates, 1).tolist()  # [B,L,3]
+                scores.selected += found.float().mean(-1).tolist()
+                scores.gates += torch.stack(record.gates, 1).tolist()  # [B,L,3]
             else:
-                selected += [[] for _ in chunk]
-                gates += [[] for _ in chunk]
+                scores.selected += [[] for _ in chunk]
+                scores.gates += [[] for _ in chunk]
             progress(len(chunk))
     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
             raise
-        failure = f"out of memory at batch {batch} ({str(e).strip().splitlines()[0][:120]})"
-    if failure is not None and device.type == "cuda":
+        scores.failure = f"out of memory at batch {batch} ({str(e).strip().splitlines()[0][:120]})"
+    if scores.failure is not None and device.type == "cuda":
         # Only now, with the exception and its frames gone, are the failed batch's tensors free.
         torch.cuda.empty_cache()
-    return hits, selected, gates, failure
+    return scores
 
 
 def _question_queries(examples: list, device: torch.device) -> torch.Tensor:
@@ -355,7 +366,7 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
              validation: ValidationLoss | None, opts: EvalOptions, rows: list[dict], skipped: list[dict]) -> dict:
     from ..telemetry.environment import git_revision, versions
 
-    mean, interval, selected, by_layer, question_gates = {}, {}, {}, {}, {}
+    mean, interval, first, selected, by_layer, question_gates = {}, {}, {}, {}, {}, {}
     for task in opts.tasks:
         for length in opts.lengths:
             cell = [r for r in rows if r["task"] == task and r["length"] == length]
@@ -363,6 +374,7 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
                 pooled = pooled_accuracy(cell)
                 mean.setdefault(task, {})[str(length)] = pooled.pop("accuracy")
                 interval.setdefault(task, {})[str(length)] = pooled
+                first.setdefault(task, {})[str(length)] = pooled_first_token(cell)
             layers = [r["needle_selected_by_layer"] for r in cell if r.get("needle_selected_by_layer") is not None]
             if layers:
                 by_layer.setdefault(task, {})[str(length)] = np.mean(layers, axis=0).tolist()
@@ -393,6 +405,9 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
             # per task and length, over the samples of every depth: the accuracy, and its samples, hits and
             # 95% Wilson interval
             "mean_accuracy": mean, "mean_accuracy_interval": interval, "skipped": skipped,
+            # per task and length, over the samples of every depth: the share whose first answer token was right
+            # (the answer was found; an exact miss with a right first token lost the copy after it)
+            "first_token": first,
             # NSA only: share of (layer, kv group) whose selection at a query of the question held the needle
             "needle_selected": selected, "needle_selected_by_layer": by_layer,
             # NSA only: [layers][cmp, sel, win] gate means at the queries of the question
@@ -410,6 +425,7 @@ def _write_outputs(out: Path, rows: list[dict], skipped: list[dict], grids: dict
             sel = r.get("needle_selected")
             writer.writerow({**r, "depth": f"{r['depth']:g}", "accuracy": f"{r['accuracy']:.4f}",
                              "ci_low": f"{r['ci_low']:.4f}", "ci_high": f"{r['ci_high']:.4f}",
+                             "first_token": f"{r['first_token']:.4f}",
                              "needle_selected": "" if sel is None else f"{sel:.4f}"})
     (out / "eval.json").write_text(json.dumps(summary, indent=1, default=str), encoding="utf-8")
     images = []
@@ -431,21 +447,28 @@ def pooled_accuracy(cells: list[dict]) -> dict:
     return {"samples": samples, "correct": correct, "accuracy": correct / samples, "ci_low": low, "ci_high": high}
 
 
+def pooled_first_token(cells: list[dict]) -> float:
+    """The share of all samples of eval rows whose first answer token was right."""
+    return sum(r["first_token"] * r["samples"] for r in cells) / sum(r["samples"] for r in cells)
+
+
 def _interval_rows(rows: list[dict], task: str, lengths: list[int]) -> list[dict[str, str]]:
-    """The printed table's last rows: per length, the accuracy over all its samples, its 95% interval and the
-    number of samples."""
+    """The printed table's last rows: per length, the accuracy over all its samples, its 95% interval, the
+    number of samples and the share whose first answer token was right."""
     mean, interval, samples = {"depth": "mean"}, {"depth": "95% CI"}, {"depth": "samples"}
+    first = {"depth": "1st token"}
     for n in lengths:
         cells = [r for r in rows if r["task"] == task and r["length"] == n]
         label = length_label(n)
         if not cells:
-            mean[label] = interval[label] = samples[label] = "skip"
+            mean[label] = interval[label] = samples[label] = first[label] = "skip"
             continue
         pooled = pooled_accuracy(cells)
         mean[label] = f"{pooled['accuracy']:.2f}"
         interval[label] = f"{pooled['ci_low']:.2f}-{pooled['ci_high']:.2f}"
         samples[label] = str(pooled["samples"])
-    return [mean, interval, samples]
+        first[label] = f"{pooled_first_token(cells):.2f}"
+    return [mean, interval, samples, first]
 
 
 def layer_table(retrieval: dict, task: str) -> str:

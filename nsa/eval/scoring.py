@@ -35,14 +35,16 @@ def answer_logits(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
 
 
 @torch.no_grad()
-def exact_match(model: nn.Module, tokens: torch.Tensor, answer_start: torch.Tensor,
+def answer_hits(model: nn.Module, tokens: torch.Tensor, answer_start: torch.Tensor,
                 answer_len: torch.Tensor) -> torch.Tensor:
-    """bool [B]: the argmax at every answer position, given the true prefix, is the answer's token.
+    """bool [B,A], A the longest answer: whether the argmax at answer position j, given the true prefix, is the
+    answer's j-th token; positions past a row's answer count as hits.
 
     tokens [B,T] hold prompt then answer, the answer of row b at [answer_start[b], answer_start[b] +
     answer_len[b]) (rows may differ). The model reads tokens[:, :-1], as the trainer reads an example of
     seq_len + 1 tokens: the last token is only ever a target, and an example built for a training length
     puts its question at the positions training did. Runs under bf16 autocast on CUDA, fp32 elsewhere.
+    Column 0 says whether the model fetched the answer at all; the later columns, whether it kept copying.
     """
     device = tokens.device
     if (answer_start < 1).any() or (answer_len < 1).any() or (answer_start + answer_len > tokens.shape[1]).any():
@@ -53,7 +55,14 @@ def exact_match(model: nn.Module, tokens: torch.Tensor, answer_start: torch.Tens
     with autocast_context("auto", device):
         logits = answer_logits(model, tokens[:, :-1], targets_at - 1)
     right = greedy(logits) == tokens.gather(1, targets_at)
-    return (right | ~valid).all(-1)
+    return right | ~valid
+
+
+def exact_match(model: nn.Module, tokens: torch.Tensor, answer_start: torch.Tensor,
+                answer_len: torch.Tensor) -> torch.Tensor:
+    """bool [B]: the argmax at every answer position, given the true prefix, is the answer's token
+    (`answer_hits`, every column)."""
+    return answer_hits(model, tokens, answer_start, answer_len).all(-1)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from nsa.eval import runner
 from nsa.eval.compare import USED_GATE, render_compare
 from nsa.eval.intervals import wilson_interval
 from nsa.data.retrieval import FILLER, LABELS, RetrievalTasks, example_rng
-from nsa.eval.scoring import answer_logits, exact_match
+from nsa.eval.scoring import answer_hits, answer_logits, exact_match
 from nsa.inference.generate import generate
 from nsa.model import Transformer
 from nsa.model.config import ModelConfig
@@ -283,6 +283,11 @@ def test_exact_match_scores_the_answer_tokens_only():
     assert exact_match(CopyModel(wrong), tokens, start, length).tolist() == [False, True, True]
     wrong[2, int(start[2])] = 0  # row 2's first answer token
     assert exact_match(CopyModel(wrong), tokens, start, length).tolist() == [False, True, False]
+    # Per answer token: row 0 missed only its last token, row 2 only its first; past row 2's answer counts as a hit.
+    hits = answer_hits(CopyModel(wrong), tokens, start, length)
+    assert hits.shape == (3, int(length.max()))
+    assert hits[:, 0].tolist() == [True, True, False] and hits[0, :-1].all() and not hits[0, -1]
+    assert hits[2, 1:].all() and hits[1].all()
 
 
 def test_exact_match_agrees_with_greedy_decoding_of_a_real_model():
@@ -324,7 +329,7 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
     out = runs / "nsa" / "eval"
     rows = list(csv.DictReader(open(out / "eval.csv")))
     assert list(rows[0]) == ["task", "length", "depth", "samples", "correct", "accuracy", "ci_low", "ci_high",
-                             "needle_selected"]
+                             "first_token", "needle_selected"]
     # kv does not fit in 90 tokens: that length is skipped for kv only.
     cells = {(r["task"], int(r["length"]), float(r["depth"])) for r in rows}
     assert cells == {("passkey", n, d) for n in (90, 128, 256) for d in (0, 0.5, 1)} | {
@@ -335,6 +340,7 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
         low, high = wilson_interval(int(r["correct"]), 2)
         assert (float(r["ci_low"]), float(r["ci_high"])) == (round(low, 4), round(high, 4))
         assert float(r["ci_low"]) <= float(r["accuracy"]) <= float(r["ci_high"]) and high - low > 0.5
+        assert float(r["first_token"]) >= float(r["accuracy"]) and float(r["first_token"]) in (0, 0.5, 1)
     info = json.loads((out / "eval.json").read_text())
     assert info["step"] == 6 and info["attention"] == "nsa" and info["trained_seq_len"] == 128
     assert info["device"] == "cpu" and info["versions"]["torch"] == torch.__version__
@@ -350,6 +356,8 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
         assert pooled["samples"] == 6 and pooled["correct"] == correct
         assert info["retrieval"]["mean_accuracy"][task][str(length)] == correct / 6
         assert (pooled["ci_low"], pooled["ci_high"]) == pytest.approx(wilson_interval(correct, 6))
+        first = sum(float(r["first_token"]) * 2 for r in cell_rows) / 6
+        assert info["retrieval"]["first_token"][task][str(length)] == pytest.approx(first)
     assert "90" not in info["retrieval"]["mean_accuracy_interval"]["kv"]
     for task in ("passkey", "kv"):
         assert_png(out / f"retrieval_{task}.png")
@@ -368,6 +376,8 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
     assert re.search(r"^ *mean( +[0-9.]+){3}$", table, re.M)
     assert re.search(rf"^ *95% CI .* {pooled['ci_low']:.2f}-{pooled['ci_high']:.2f} ", table, re.M)
     assert re.search(r"^ *samples +6 +6 +6$", table, re.M)
+    firsts = info["retrieval"]["first_token"]["passkey"]
+    assert re.search(r"^ *1st token +" + " +".join(f"{firsts[n]:.2f}" for n in ("90", "128", "256")) + "$", table, re.M)
     assert "passkey: needle block selected" in printed
     # The per-layer table: layer 1's row at 256 tokens holds its selection share and its three gates.
     layers = printed.split("passkey: per layer at the queries of the question")[1].split("\n\n")[0]
@@ -428,27 +438,27 @@ def test_eval_builds_each_length_in_the_trainers_layout(runs, monkeypatch, tmp_p
     the model sees its question end where training at train.seq_len = L put it (NSA's blocks are aligned to
     positions, so a model trained at one length may rely on that place)."""
     seen = []
-    real = runner.exact_match
+    real = runner.answer_hits
 
     def spy(model, tokens, start, length):
         seen.append((tokens.shape[1], (start + length).tolist()))
         return real(model, tokens, start, length)
 
-    monkeypatch.setattr(runner, "exact_match", spy)
+    monkeypatch.setattr(runner, "answer_hits", spy)
     assert main(["eval", str(runs / "nsa"), "--lengths", "128", "--depths", "0,1", "--samples", "1", "--tasks",
                  "passkey", "--val-batches", "1", "--no-progress", "--out", str(tmp_path)]) == 0
     assert seen == [(129, [129, 129])]
 
 
 def test_eval_reports_a_length_that_runs_out_of_memory_as_skipped(runs, monkeypatch, tmp_path, capsys):
-    real = runner.exact_match
+    real = runner.answer_hits
 
     def limited(model, tokens, start, length):
         if tokens.shape[1] > 200:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
         return real(model, tokens, start, length)
 
-    monkeypatch.setattr(runner, "exact_match", limited)
+    monkeypatch.setattr(runner, "answer_hits", limited)
     result = runner.run_eval(runs / "dense", runner.EvalOptions(
         lengths=[128, 256], depths=[0.0, 1.0], tasks=["passkey"], samples=2, val_batches=0, out=tmp_path,
         progress=False))
