@@ -117,13 +117,14 @@ def _cmd_report(ns: argparse.Namespace) -> int:
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
+    from .eval.ablation import parse_layers
     from .eval.runner import EvalOptions, parse_depths, parse_lengths, parse_tasks, run_eval
 
     opts = EvalOptions(
         lengths=parse_lengths(ns.lengths), depths=parse_depths(ns.depths), tasks=parse_tasks(ns.tasks),
         samples=ns.samples, val_batches=ns.val_batches, batch_tokens=ns.batch_tokens, seed=ns.seed,
         device=ns.device, out=Path(ns.out) if ns.out else None, data_overrides=ns.overrides,
-        progress=not ns.no_progress,
+        progress=not ns.no_progress, ablate_attention=parse_layers(ns.ablate_attention),
     )
     run_eval(ns.checkpoint, opts)
     return 0
@@ -324,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the retrieval examples")
     p.add_argument("--out", default=None, help="output folder (default: the run folder's eval/)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run (auto: cuda if present)")
+    p.add_argument("--ablate-attention", default="", metavar="LAYERS", help="comma-separated 0-based layers whose "
+                   "attention outputs zeros (their MLPs stay): what the scores owe those layers (default output folder: "
+                   "the run folder's eval-ablate-LAYERS/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_eval)
 

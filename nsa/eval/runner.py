@@ -20,6 +20,7 @@ from ..data.retrieval import TASKS, ExampleTooShort, RetrievalTasks, example_rng
 from ..errors import UserError
 from ..plots.retrieval import plot_grids
 from .grid import Grid, length_label
+from .ablation import ablated_attention, check_layers
 from .intervals import wilson_interval
 from .scoring import ValidationLoss, answer_hits, validation_loss
 from .selection import needle_selected, nsa_layers, record_selection
@@ -46,10 +47,12 @@ class EvalOptions:
     """Seed of the retrieval examples (their coordinates in the grid are mixed in)."""
     device: str = "auto"
     out: Path | None = None
-    """Output folder; None is <run folder>/eval."""
+    """Output folder; None is <run folder>/eval (eval-ablate-2-3 with layers 2 and 3 ablated)."""
     data_overrides: list[str] = field(default_factory=list)
     """data.key=value overrides of the run's data section (for the validation loss and the kv task)."""
     progress: bool = True
+    ablate_attention: list[int] = field(default_factory=list)
+    """Layers (0-based) whose attention outputs zeros throughout (their MLPs stay): what the task owes them."""
 
 
 @dataclass
@@ -143,24 +146,27 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     cfg = _run_config(config, opts.data_overrides)
     loaded = load_for_inference(path, opts.device)
     model, device = loaded.model, next(loaded.model.parameters()).device
-    out = Path(opts.out) if opts.out is not None else run_dir / "eval"
+    check_layers(model, opts.ablate_attention)  # before any folder is made
+    out = Path(opts.out) if opts.out is not None else run_dir / _default_out_name(opts.ablate_attention)
     out.mkdir(parents=True, exist_ok=True)
     name = run_dir.name
     print(f"nsa eval: {name} step {step}, {cfg.model.attention} model "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, trained at "
           f"{cfg.train.seq_len} tokens) on {_device_name(device)}")
+    with ablated_attention(model, opts.ablate_attention):
+        if opts.ablate_attention:
+            print(f"attention removed (outputs zeros) in layer(s) {', '.join(map(str, opts.ablate_attention))}")
+        validation = None
+        if opts.val_batches > 0:
+            validation = _validation(model, cfg, loaded.tokenizer, opts.val_batches, device)
+            if validation is None:
+                print(f"validation: skipped: {_no_validation_reason(cfg)}")
+            else:
+                print(f"validation: loss {validation.loss:.4f}, perplexity {validation.perplexity:.3f} "
+                      f"({validation.batches} batches, {validation.tokens:,} tokens of {cfg.data.source})")
 
-    validation = None
-    if opts.val_batches > 0:
-        validation = _validation(model, cfg, loaded.tokenizer, opts.val_batches, device)
-        if validation is None:
-            print(f"validation: skipped: {_no_validation_reason(cfg)}")
-        else:
-            print(f"validation: loss {validation.loss:.4f}, perplexity {validation.perplexity:.3f} "
-                  f"({validation.batches} batches, {validation.tokens:,} tokens of {cfg.data.source})")
-
-    tasks = RetrievalTasks(loaded.tokenizer, cfg.data.retrieval.kv_pairs)
-    rows, skipped = _retrieval_grid(model, tasks, opts, device)
+        tasks = RetrievalTasks(loaded.tokenizer, cfg.data.retrieval.kv_pairs)
+        rows, skipped = _retrieval_grid(model, tasks, opts, device)
     title = f"{name} ({cfg.model.attention}, step {step})"
     grids = _grids(rows, skipped, opts, title)
     selection = _grids(rows, skipped, opts, f"needle block selected, {title}", key="needle_selected")
@@ -184,6 +190,11 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
             print(layer_table(summary["retrieval"], task))
     print(f"\nwrote {out / 'eval.csv'}, {out / 'eval.json'}" + "".join(f", {p.name}" for p in images))
     return EvalResult(out, validation, rows, skipped, images)
+
+
+def _default_out_name(ablated: list[int]) -> str:
+    """eval, or eval-ablate-2-3 with layers 2 and 3 ablated: an ablation never overwrites the model's own scores."""
+    return "eval" + "".join(f"-{i}" if n else f"-ablate-{i}" for n, i in enumerate(ablated))
 
 
 def _run_config(config: dict, overrides: list[str]):
@@ -395,6 +406,7 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
         "git": git_revision(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "data": {"source": cfg.data.source, "tokenizer": cfg.data.tokenizer, "overrides": list(opts.data_overrides)},
+        "ablated_attention": list(opts.ablate_attention),
         "validation": None if validation is None else {
             "loss": validation.loss, "perplexity": validation.perplexity, "batches": validation.batches,
             "tokens": validation.tokens, "seq_len": cfg.train.seq_len,

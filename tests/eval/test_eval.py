@@ -385,6 +385,21 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
     assert re.search(rf"^ +1 .* {by_layer[1]:.2f}  {one}$", layers, re.M)
 
 
+def test_eval_with_a_layers_attention_removed_writes_beside_the_models_own_scores(runs, capsys):
+    args = ["eval", str(runs / "nsa"), "--lengths", "128", "--depths", "0,1", "--samples", "2", "--tasks",
+            "passkey", "--val-batches", "2", "--no-progress"]
+    assert main(args + ["--out", str(runs / "nsa" / "eval-whole")]) == 0
+    assert main(args + ["--ablate-attention", "1,0"]) == 0
+    assert "attention removed (outputs zeros) in layer(s) 0, 1" in capsys.readouterr().out
+    whole = json.loads((runs / "nsa" / "eval-whole" / "eval.json").read_text())
+    ablated = json.loads((runs / "nsa" / "eval-ablate-0-1" / "eval.json").read_text())
+    assert whole["ablated_attention"] == [] and ablated["ablated_attention"] == [0, 1]
+    assert ablated["validation"]["loss"] != pytest.approx(whole["validation"]["loss"], rel=1e-4)
+    assert main(args + ["--ablate-attention", "2"]) == 2
+    assert "--ablate-attention: layer 2 does not exist; the model has layers 0-1" in capsys.readouterr().err
+    assert not (runs / "nsa" / "eval-ablate-2").exists()
+
+
 def test_the_layer_table_shows_each_layers_selection_and_gates_per_length():
     retrieval = {"needle_selected_by_layer": {"passkey": {"4096": [1.0, 0.25], "8192": [0.5, 0.75]}},
                  "question_gates_by_layer": {"passkey": {"4096": [[0.2, 0.3, 0.5], [0.1, 0.8, 0.1]],
