@@ -147,7 +147,7 @@ def gate_summary(run: RunData) -> GateSummary | None:
         distance=_mean([e.get("sel_distance_mean") for e in entries]),
         forced_share=_mean([e.get("sel_forced_share") for e in entries]),
         concentration=_mean([e.get("sel_concentration") for e in entries]),
-        warnings=[w for w in gate_warnings(layers) if "collapsed" in w],
+        warnings=[w for w in gate_warnings(layers) if "collapsed" in w or "where they started" in w],
         longest_collapse=longest_collapse(collapse_spans(series)),
         longest_off=longest_collapse(collapse_spans(series), ATTENTION_OFF),
         lowest_head=lowest_head_gate(series),

@@ -21,6 +21,10 @@ from .run_files import BRANCH_NAMES, LayerSeries, RunData, column, layer_series,
 
 COLLAPSE_LOW, COLLAPSE_HIGH = 0.02, 0.98
 FLAT_MOVE = 1e-3
+UNMOVED_MEAN, UNMOVED_ENTROPY, UNMOVED_RECORDS = 0.05, 0.1, 10
+"""A layer's gates count as where they started when, after at least UNMOVED_RECORDS records, every branch's mean
+lies within UNMOVED_MEAN of the first record's and the entropy within UNMOVED_ENTROPY nats of it: gates that
+trained and came back, or that the loss never pulled, as in a layer the task does not use."""
 MAX_ENTROPY = math.log(3)
 NOTABLE_EVENTS = ("stall", "halt", "warning")
 # Every image the report may write; images of a previous report that this one skips are removed,
@@ -46,7 +50,29 @@ def gate_warnings(series: list[LayerSeries]) -> list[str]:
             if moved < FLAT_MOVE:
                 warnings.append(f"layer {s.layer}: gate means flat (moved {moved:.1e} < {FLAT_MOVE:g} "
                                 f"over steps {int(s.steps[0])}-{int(s.steps[-1])}): are the gates training?")
+    unmoved = [s for s in unmoved_layers(series) if not any(w.startswith(f"layer {s.layer}: gate means flat")
+                                                            for w in warnings)]
+    if unmoved:
+        names = ", ".join(str(s.layer) for s in unmoved)
+        warnings.append(f"layer{'s' if len(unmoved) > 1 else ''} {names}: gates where they started (every branch's "
+                        f"mean within {UNMOVED_MEAN} of step {int(unmoved[0].steps[0])}'s, entropy within "
+                        f"{UNMOVED_ENTROPY} nats) at step {int(unmoved[0].steps[-1])}: does the task use "
+                        f"{'them' if len(unmoved) > 1 else 'it'}? (nsa eval --ablate-attention {names.replace(' ', '')})")
     return warnings
+
+
+def unmoved_layers(series: list[LayerSeries]) -> list[LayerSeries]:
+    """The layers whose last record's gates are where their first record's were (UNMOVED_MEAN, UNMOVED_ENTROPY),
+    once they have at least UNMOVED_RECORDS records."""
+    unmoved = []
+    for s in series:
+        if len(s.steps) < UNMOVED_RECORDS:
+            continue
+        mean_moved = float(np.abs(s.gate_mean[-1] - s.gate_mean[0]).max())
+        entropy_moved = abs(float(s.entropy[-1] - s.entropy[0]))  # nan (not logged) compares False below
+        if mean_moved < UNMOVED_MEAN and not entropy_moved >= UNMOVED_ENTROPY:
+            unmoved.append(s)
+    return unmoved
 
 
 @dataclass(frozen=True)

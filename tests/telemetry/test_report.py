@@ -158,6 +158,27 @@ def test_gate_warnings_thresholds():
     assert len([w for w in gate_warnings([moving]) if "collapsed" in w]) == 3  # 0.005, 0.01 and 0.99
 
 
+def test_layers_whose_gates_end_where_they_started_are_named_once_enough_records_exist():
+    def record(step, moved_layer_gates, entropy):
+        return {"step": step, "layers": [
+            {"layer": 0, "gate_mean": moved_layer_gates, "gate_entropy": 0.6},
+            {"layer": 1, "gate_mean": [0.34, 0.33, 0.33], "gate_entropy": entropy},
+            {"layer": 2, "gate_mean": [0.36, 0.30, 0.34], "gate_entropy": 1.09}]}
+
+    start = {"step": 1, "layers": [{"layer": i, "gate_mean": [1 / 3] * 3, "gate_entropy": 1.098} for i in range(3)]}
+    # Layers 1 and 2 wander and come back; layer 0 leaves for good. The wandering keeps them off the "flat" warning.
+    stats = [start] + [record(50 * k, [0.1, 0.8, 0.1], 1.05 if k % 2 else 0.7) for k in range(1, 10)]
+    warnings = gate_warnings(layer_series(stats))
+    assert [w for w in warnings if "where they started" in w] == [
+        "layers 1, 2: gates where they started (every branch's mean within 0.05 of step 1's, entropy within 0.1 "
+        "nats) at step 450: does the task use them? (nsa eval --ablate-attention 1,2)"]
+    # A per-token spread that moved (entropy 0.7 against 1.098) is not where it started, even at a third on average.
+    stats[-1]["layers"][1]["gate_entropy"] = 0.7
+    assert "layer 2: gates where they started" in " ".join(gate_warnings(layer_series(stats)))
+    # Too few records to tell.
+    assert not [w for w in gate_warnings(layer_series(stats[:5])) if "where they started" in w]
+
+
 def test_collapse_spans_say_how_long_each_gate_stayed_collapsed():
     gates = {100: [0.3, 0.3, 0.3], 200: [0.01, 0.4, 0.01], 300: [0.01, 0.01, 0.01], 400: [0.01, 0.3, 0.01],
              500: [0.3, 0.3, 0.01], 600: [0.3, 0.99, 0.01]}
