@@ -91,6 +91,10 @@ class ModelConfig:
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    attention_drop: float = 0.0
+    """Stochastic depth on every block's attention (0 = off): in training, each sequence of a batch skips a block's
+    attention with this probability and the kept outputs are scaled by 1/(1 - p); evaluation and generation keep
+    every layer. A task then cannot rest on a single layer's attention."""
     init_from: str = ""
     """Weights a new run starts from instead of the random initialisation ('' = none): a checkpoint folder (or a
     run folder: its latest checkpoint), e.g. the output of `nsa convert`, or a Hugging Face folder written by
@@ -117,6 +121,9 @@ class ModelConfig:
         for key in ("rope_theta", "norm_eps", "init_std"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key} must be > 0, got {getattr(self, key)}")
+        if not 0 <= self.attention_drop < 1:
+            raise ConfigError(f"model.attention_drop is a probability in [0, 1), got {self.attention_drop}; 0 turns "
+                              "it off")
         if self.vocab_size < 0:
             raise ConfigError(f"model.vocab_size must be >= 0 (0 = from the tokenizer), got {self.vocab_size}")
         if self.attention == "nsa":

@@ -45,11 +45,23 @@ class Block(nn.Module):
         self.attn = NSAAttention(cfg) if cfg.attention == "nsa" else DenseAttention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden)
+        self.attention_drop = cfg.attention_drop
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 documents: Documents | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, documents=documents)
+        attended = self.attn(self.attn_norm(x), cos, sin, documents=documents)
+        if self.training and self.attention_drop > 0:
+            attended = attended * sequence_keep_mask(x, self.attention_drop)
+        x = x + attended
         return x + self.mlp(self.mlp_norm(x))
+
+
+def sequence_keep_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """[B,1,1] in x's dtype for x [B,T,D]: 0 for a sequence dropped (probability p), 1/(1 - p) for one kept, so
+    that the expected output is the undropped one (stochastic depth). Drawn from the default generator on x's
+    device, whose state checkpoints keep: a resumed run draws the masks it would have drawn."""
+    keep = torch.rand(x.shape[0], 1, 1, device=x.device) >= p
+    return keep.to(x.dtype) / (1 - p)
 
 
 class Transformer(nn.Module):

@@ -147,11 +147,23 @@ def probe(model: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor] | N
         x = root.tok_emb(tokens)
     per_layer = []
     for block, inner in zip(blocks, inners):
-        with _unsharded(block):
+        with _unsharded(block), _evaluating(inner):
             per_layer.append(_layer_sums(inner.attn, inner.attn_norm(x), cos, sin))
             # inner.forward, not block(...): the block's __call__ is the compiled / checkpointed / FSDP one.
             x = inner.forward(x, cos, sin)
     return {key: torch.stack([sums[key] for sums in per_layer]) for key in per_layer[0]}
+
+
+@contextlib.contextmanager
+def _evaluating(module: nn.Module):
+    """The module in eval mode for the probe, then back: the probe reads the model whole (no model.attention_drop)
+    and draws nothing from the random generator, whose state a resumed run restores."""
+    was_training = module.training
+    module.train(False)
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 def _ratio(num: float, den: float) -> float | None:

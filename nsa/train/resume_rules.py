@@ -32,6 +32,8 @@ _APPLIED_EXCEPTIONS = (
     # The sliding window's length: no weight depends on it, so a curriculum can widen it at a later stage (a short
     # window while the selection learns to fetch what a long one would hold; docs/evaluation.md, the 4k switch).
     "model.nsa.window",
+    # Stochastic depth on the attention: a regulariser of training, no weight depends on it.
+    "model.attention_drop",
 )
 
 _RETRIEVAL_SHAPES = ("train.seq_len", "train.batch_size", "data.retrieval.mix_lengths")
