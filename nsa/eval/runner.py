@@ -19,8 +19,8 @@ from tqdm import tqdm
 from ..data.retrieval import TASKS, ExampleTooShort, RetrievalTasks, example_rng
 from ..errors import UserError
 from ..plots.retrieval import plot_grids
-from .grid import Grid, length_label
 from .ablation import ablated_attention, check_layers
+from .grid import Grid, length_label
 from .intervals import wilson_interval
 from .scoring import ValidationLoss, answer_hits, validation_loss
 from .selection import needle_selected, nsa_layers, record_selection
