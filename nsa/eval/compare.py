@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +78,20 @@ class RunSummary:
     gate: str = "sigmoid"
     """The gate variant of an NSA run: model.nsa.gate, '-spreadP' with model.nsa.gate_spread_penalty P > 0 and
     '-floorF' with model.nsa.gate_floor F > 0."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """The run's model settings, flattened ('nsa.window': 512), absent keys at ModelConfig's defaults."""
+    variant: str = ""
+    """'-window128' etc.: the other model settings in which this run differs from compared runs of its attention
+    (label_variants)."""
 
     @property
     def kind(self) -> str:
-        """What the runs are grouped by: the attention, and for NSA a gate variant other than the default
-        ('nsa-softmax', 'nsa-softmax-spread0.01'), so that runs of two model variants are never pooled into one
-        distribution."""
-        return f"{self.attention}-{self.gate}" if self.attention == "nsa" and self.gate != "sigmoid" else self.attention
+        """What the runs are grouped by: the attention, for NSA a gate variant other than the default
+        ('nsa-softmax', 'nsa-softmax-spread0.01'), and any other model setting that differs between the compared
+        runs of that attention ('nsa-softmax-window128'), so that runs of two model variants are never pooled into
+        one distribution."""
+        base = f"{self.attention}-{self.gate}" if self.attention == "nsa" and self.gate != "sigmoid" else self.attention
+        return base + self.variant
 
     @property
     def eval_rows(self) -> list[dict[str, Any]]:
@@ -121,7 +128,41 @@ def load_summary(run_dir: Path, name: str) -> RunSummary:
         last_step=int(last["step"]) if last.get("step") is not None else None, tokens=last.get("tokens"),
         val_tokens=val_tokens, val_loss=val_loss, gates=gate_summary(run),
         gate=_gate_variant(model.get("nsa") if isinstance(model.get("nsa"), dict) else {}),
+        model=model_settings(model),
     )
+
+
+GATE_KEYS = ("nsa.gate", "nsa.gate_spread_penalty", "nsa.gate_floor")
+"""Model settings that RunSummary.gate names already."""
+NOT_A_VARIANT = ("dense_backend", "nsa.backend", "init_from")
+"""Model settings that choose a kernel or the starting weights, not the model: runs that differ only there pool."""
+
+
+def model_settings(model: dict) -> dict[str, Any]:
+    """A run's model section flattened ('nsa.window': 512) over ModelConfig's defaults, which absent keys had."""
+    from ..model.config import ModelConfig
+    from ..train.resume_rules import flatten
+    from ..typed_config import to_dict
+
+    return {**flatten(to_dict(ModelConfig())), **flatten(model)}
+
+
+def label_variants(runs: list[RunSummary]) -> None:
+    """Set each run's `variant` from the model settings that differ between the runs of its attention (a dense run's
+    NSA settings do not count). A setting changed on resume counts by its final value (config.yaml's)."""
+    for attention in {r.attention for r in runs}:
+        group = [r for r in runs if r.attention == attention]
+        keys = sorted({k for r in group for k in r.model}
+                      - set(GATE_KEYS) - set(NOT_A_VARIANT) - {"attention"})
+        if attention != "nsa":
+            keys = [k for k in keys if not k.startswith("nsa.")]
+        differing = [k for k in keys if len({repr(r.model.get(k)) for r in group}) > 1]
+        for r in group:
+            r.variant = "".join(f"-{k.split('.')[-1]}{_short(r.model.get(k))}" for k in differing)
+
+
+def _short(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _gate_variant(nsa: dict) -> str:
@@ -270,6 +311,7 @@ def render_compare(run_dirs: list[Path], out: Path) -> Path:
     if not run_dirs:
         raise UserError("nsa compare needs at least one run folder")
     runs = [load_summary(Path(d), name) for d, name in zip(run_dirs, _run_names([Path(d) for d in run_dirs]))]
+    label_variants(runs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     images = []

@@ -672,6 +672,24 @@ def test_compare_keeps_runs_with_the_gate_spread_penalty_or_floor_apart(tmp_path
     assert "| nsa-softmax-floor0.02 | 1 | 1 | 0.2500 |" in text
 
 
+def test_compare_keeps_runs_of_other_model_settings_apart_and_pools_the_same_settings(tmp_path):
+    def run(name, seed, val, extra):
+        path = fake_run(tmp_path, name, "nsa", seed, val, gate="softmax")
+        config = path / "config.yaml"
+        config.write_text(config.read_text().replace("    gate: softmax\n", f"    gate: softmax\n{extra}"))
+        return path
+
+    runs = [run("w128a", 1, 1.0, "    window: 128\n"), run("w128b", 2, 0.5, "    window: 128\n"),
+            run("w512", 1, 0.25, "    window: 512\n"), run("w512-triton", 2, 0.75, "    window: 512\n    backend: triton\n"),
+            fake_run(tmp_path, "dense", "dense", 1, 0.1)]
+    text = render_compare(runs, tmp_path / "out").read_text()
+    assert "| nsa-softmax-window128 | 2 | 2 | 0.7500 |" in text  # the two 128-token runs pooled
+    assert "| nsa-softmax-window512 | 2 | 2 | 0.5000 |" in text  # a kernel choice is not a variant
+    assert "| dense | 1 | 1 | 0.1000 |" in text  # a dense run's NSA settings never count
+    same = render_compare(runs[:2], tmp_path / "same").read_text()
+    assert "| nsa-softmax | 2 | 2 | 0.7500 |" in same  # nothing differs: no suffix
+
+
 def test_compare_gives_the_margin_in_percent_only_where_dense_loss_is_not_near_zero(tmp_path):
     lm = [fake_run(tmp_path, "lm-nsa", "nsa", 1, 1.1), fake_run(tmp_path, "lm-dense", "dense", 1, 1.0)]
     assert "0.1000 nats higher (worse) than dense's (+10.00%)." in render_compare(lm, tmp_path / "lm").read_text()
