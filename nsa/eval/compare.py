@@ -430,6 +430,7 @@ def _retrieval_section(runs: list[RunSummary], grids: dict[str, list[Grid]], agg
             counts = retrieval_counts(r.eval_rows)[task]
             cells = [_rate_with_interval(*counts[n]) if n in counts else grid.skipped.get(n, "-") for n in lengths]
             lines.append(f"| {grid.title} | " + " | ".join(cells) + " |")
+        lines += _first_token_table(runs, task, lengths)
         lines += _needle_selected_table(runs, task, lengths)
         lines += _retrieval_spread_table(agg.retrieval.get(task, {}))
         lines += ["", f"![](retrieval_{task}.png)", ""]
@@ -473,13 +474,26 @@ def _spread_or_one_run(s: Spread, digits: int = 4) -> str:
 
 def _needle_selected_table(runs: list[RunSummary], task: str, lengths: list[int]) -> list[str]:
     """NSA runs' share of (layer, kv group) whose selection at a query of the question held the needle, per length."""
-    shares = {r.name: (r.eval_meta or {}).get("retrieval", {}).get("needle_selected", {}).get(task) for r in runs}
+    return _eval_share_table(runs, task, lengths, "needle_selected",
+                             "Needle block selected at a query of the question (NSA: share of layers x kv groups, "
+                             "mean over depths; forced blocks count):")
+
+
+def _first_token_table(runs: list[RunSummary], task: str, lengths: list[int]) -> list[str]:
+    """Per run and length, the share of samples whose first answer token was right (evaluations that record it)."""
+    return _eval_share_table(runs, task, lengths, "first_token",
+                             "First answer token right (share of all samples of a length; a miss with a right first "
+                             "token found the answer and lost the copy after it):")
+
+
+def _eval_share_table(runs: list[RunSummary], task: str, lengths: list[int], key: str, heading: str) -> list[str]:
+    """A run x length table of eval.json's retrieval[key][task][length]; nothing when no run has that key."""
+    shares = {r.name: (r.eval_meta or {}).get("retrieval", {}).get(key, {}).get(task) for r in runs}
     shares = {name: by_length for name, by_length in shares.items() if by_length}
     if not shares:
         return []
-    lines = ["", "Needle block selected at a query of the question (NSA: share of layers x kv groups, mean over depths; "
-             "forced blocks count):", "",
-             "| run | " + " | ".join(length_label(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    lines = ["", heading, "", "| run | " + " | ".join(length_label(n) for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
     for name, by_length in shares.items():
         cells = [f"{by_length[str(n)]:.2f}" if str(n) in by_length else "-" for n in lengths]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

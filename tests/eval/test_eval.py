@@ -550,6 +550,12 @@ def test_compare_two_runs(runs, tmp_path):
     first = min(int(n) for n in info["needle_selected"]["passkey"])
     assert nsa_row and nsa_row.group(1).split("|")[0].strip() == f"{info['needle_selected']['passkey'][str(first)]:.2f}"
     assert "| dense | " not in table
+    # The first answer token's share, from each run's eval.json: both attentions have it.
+    firsts = text.split("First answer token right")[1].split("Needle block selected")[0]
+    for name in ("nsa", "dense"):
+        share = json.loads((runs / name / "eval" / "eval.json").read_text())["retrieval"]["first_token"]["passkey"]
+        cell = f"{share[str(min(int(n) for n in share))]:.2f}"
+        assert re.search(rf"^\| {name} \| {re.escape(cell)} ", firsts, re.M), firsts
     assert "| nsa | 6 |" in text and "all three used?" in text  # the NSA run's gates; dense has none
 
 
