@@ -194,7 +194,7 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
 
 def _default_out_name(ablated: list[int]) -> str:
     """eval, or eval-ablate-2-3 with layers 2 and 3 ablated: an ablation never overwrites the model's own scores."""
-    return "eval" + "".join(f"-{i}" if n else f"-ablate-{i}" for n, i in enumerate(ablated))
+    return "eval-ablate-" + "-".join(map(str, ablated)) if ablated else "eval"
 
 
 def _run_config(config: dict, overrides: list[str]):

@@ -37,7 +37,7 @@ REPORT_IMAGES = ("loss.png", "throughput.png", "lr.png", "memory.png", "gates.pn
 
 def gate_warnings(series: list[LayerSeries]) -> list[str]:
     """A line per collapsed gate (final mean < 0.02 or > 0.98) and per layer whose gates never moved."""
-    warnings = []
+    warnings, flat = [], set()
     for s in series:
         final = s.gate_mean[-1]
         for name, value in zip(BRANCH_NAMES, final):
@@ -48,10 +48,10 @@ def gate_warnings(series: list[LayerSeries]) -> list[str]:
         if len(s.steps) >= 2:
             moved = float((s.gate_mean.max(axis=0) - s.gate_mean.min(axis=0)).max())
             if moved < FLAT_MOVE:
+                flat.add(s.layer)
                 warnings.append(f"layer {s.layer}: gate means flat (moved {moved:.1e} < {FLAT_MOVE:g} "
                                 f"over steps {int(s.steps[0])}-{int(s.steps[-1])}): are the gates training?")
-    unmoved = [s for s in unmoved_layers(series) if not any(w.startswith(f"layer {s.layer}: gate means flat")
-                                                            for w in warnings)]
+    unmoved = [s for s in unmoved_layers(series) if s.layer not in flat]
     if unmoved:
         names = ", ".join(str(s.layer) for s in unmoved)
         warnings.append(f"layer{'s' if len(unmoved) > 1 else ''} {names}: gates where they started (every branch's "
