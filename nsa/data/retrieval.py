@@ -81,6 +81,10 @@ class RetrievalExample:
     """First token of the question (it runs up to answer_start)."""
     distractors: int = 0
     """Key-value pairs (kv) or pass keys (multikey) besides the queried one."""
+    key_offset: int = 0
+    """Answer tokens before the first that holds a character of the key: 1 where the answer's leading space is
+    a token of its own (bytes), 0 where the tokenizer merges it into the key's first token (GPT-2). The token
+    after the leading space is the first one a model must retrieve; the space itself is given by the prompt."""
 
     @property
     def answer_len(self) -> int:
@@ -144,6 +148,8 @@ class RetrievalTasks:
     def _assemble(self, task: str, length: int, depth: float, rng: np.random.Generator, needle: np.ndarray,
                   distractors: list[np.ndarray], question: np.ndarray, answer_text: str) -> RetrievalExample:
         answer = self._encode(" " + answer_text)
+        space = self._encode(" ")
+        key_offset = len(space) if np.array_equal(answer[:len(space)], space) else 0
         n_filler = length - len(needle) - sum(len(d) for d in distractors) - len(question) - len(answer)
         if n_filler < 0:
             raise ExampleTooShort(task, length - n_filler, length)
@@ -173,6 +179,7 @@ class RetrievalTasks:
             task=task, tokens=tokens, answer_start=length - len(answer), needle_start=needle_start,
             needle_len=len(needle), depth=needle_start / haystack if haystack else 0.0, answer=answer_text,
             question_start=length - len(answer) - len(question), distractors=len(distractors),
+            key_offset=key_offset,
         )
 
     def filler(self, n: int, rng: np.random.Generator) -> np.ndarray:

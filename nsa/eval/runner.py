@@ -175,7 +175,7 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     images = _write_outputs(out, rows, skipped, panels, summary)
     for task, grid in grids.items():
         print(f"\n{task}: exact-match accuracy of {opts.samples} samples per cell (rows: needle depth, columns: "
-              "context length; mean and 95% interval over all samples of a length, and the share whose first answer "
+              "context length; mean and 95% interval over all samples of a length, and the share whose key's first "
               "token was right)")
         print(_table(grid, _interval_rows(rows, task, opts.lengths)))
         for s in skipped:
@@ -292,9 +292,10 @@ def _retrieval_grid(model, tasks: RetrievalTasks, opts: EvalOptions, device: tor
 
 @dataclass
 class _Scores:
-    """Per example, in order: exact match, the answer's first token right, and for an NSA model per layer the
-    share of kv groups whose selection at a query of the question holds the needle and the gates there
-    (empty lists for a dense model). failure: None, or a one-line reason when memory ran out."""
+    """Per example, in order: exact match, the key's first token right (the answer's leading space is not
+    counted), and for an NSA model per layer the share of kv groups whose selection at a query of the question
+    holds the needle and the gates there (empty lists for a dense model). failure: None, or a one-line reason
+    when memory ran out."""
     exact: list[bool] = field(default_factory=list)
     first: list[bool] = field(default_factory=list)
     selected: list[list[float]] = field(default_factory=list)
@@ -317,7 +318,8 @@ def _score(model, examples, batch: int, device: torch.device, progress: Callable
             with record_selection(model, _question_queries(chunk, device)) as record:
                 hits = answer_hits(model, tokens, start, length)  # [B, longest answer]
             scores.exact += hits.all(-1).tolist()
-            scores.first += hits[:, 0].tolist()
+            key_first = torch.tensor([e.key_offset for e in chunk], device=device)
+            scores.first += hits.gather(1, key_first[:, None])[:, 0].tolist()
             if record.blocks:
                 needle = torch.tensor([[e.needle_start, e.needle_len] for e in chunk], device=device)
                 found = needle_selected(record.blocks, needle[:, 0], needle[:, 1], sel_block)  # [B,L,G]
@@ -417,8 +419,8 @@ def _summary(path: Path, cfg, model, device: torch.device, step: int, name: str,
             # per task and length, over the samples of every depth: the accuracy, and its samples, hits and
             # 95% Wilson interval
             "mean_accuracy": mean, "mean_accuracy_interval": interval, "skipped": skipped,
-            # per task and length, over the samples of every depth: the share whose first answer token was right
-            # (the answer was found; an exact miss with a right first token lost the copy after it)
+            # per task and length, over the samples of every depth: the share whose key's first token was right
+            # (the key was found; an exact miss with a right first token lost the copy after it)
             "first_token": first,
             # NSA only: share of (layer, kv group) whose selection at a query of the question held the needle
             "needle_selected": selected, "needle_selected_by_layer": by_layer,
@@ -460,13 +462,13 @@ def pooled_accuracy(cells: list[dict]) -> dict:
 
 
 def pooled_first_token(cells: list[dict]) -> float:
-    """The share of all samples of eval rows whose first answer token was right."""
+    """The share of all samples of eval rows whose key's first token was right."""
     return sum(r["first_token"] * r["samples"] for r in cells) / sum(r["samples"] for r in cells)
 
 
 def _interval_rows(rows: list[dict], task: str, lengths: list[int]) -> list[dict[str, str]]:
     """The printed table's last rows: per length, the accuracy over all its samples, its 95% interval, the
-    number of samples and the share whose first answer token was right."""
+    number of samples and the share whose key's first token was right."""
     mean, interval, samples = {"depth": "mean"}, {"depth": "95% CI"}, {"depth": "samples"}
     first = {"depth": "1st token"}
     for n in lengths:

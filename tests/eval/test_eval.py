@@ -78,6 +78,12 @@ def test_examples_hit_the_length_exactly_and_put_the_needle_at_the_depth(tokeniz
             needle = tokenizer.decode(ex.tokens[ex.needle_start:ex.needle_start + ex.needle_len])
             answer = tokenizer.decode(ex.tokens[ex.answer_start:])
             assert answer == " " + ex.answer
+            # The key's first token follows only the leading space: its own token for bytes, merged for GPT-2.
+            key_at = ex.answer_start + ex.key_offset
+            assert tokenizer.decode(ex.tokens[ex.answer_start:key_at]).strip() == ""
+            first = tokenizer.decode(ex.tokens[key_at:key_at + 1]).strip()
+            assert first and ex.answer.startswith(first)
+            assert ex.key_offset == (1 if tokenizer.name == "byte" else 0)
             if task == "passkey":
                 assert needle == f" The pass key is {ex.answer}. Remember it."
                 assert len(ex.answer) == 5 and ex.answer.isdigit()
@@ -288,6 +294,21 @@ def test_exact_match_scores_the_answer_tokens_only():
     assert hits.shape == (3, int(length.max()))
     assert hits[:, 0].tolist() == [True, True, False] and hits[0, :-1].all() and not hits[0, -1]
     assert hits[2, 1:].all() and hits[1].all()
+
+
+def test_the_first_token_share_counts_the_key_not_the_leading_space():
+    # Bytes give the answer's leading space a token of its own, which the prompt makes trivial: a model that
+    # gets the space right and the key's first digit wrong never found the key.
+    tasks = RetrievalTasks(ByteTokenizer())
+    examples = [tasks.example("passkey", 200, 0.5, example_rng(5, i)) for i in range(3)]
+    tokens = torch.from_numpy(np.stack([e.tokens for e in examples]))
+    script = tokens.clone()
+    for row, wrong_at in ((0, 1), (1, 2)):  # row 0: the key's first digit; row 1: its second
+        at = examples[row].answer_start + wrong_at
+        script[row, at] = ord("0") + (int(chr(int(script[row, at]))) + 1) % 10
+    scores = runner._score(CopyModel(script), examples, 3, torch.device("cpu"), lambda n: None)
+    assert scores.exact == [False, False, True]
+    assert scores.first == [False, True, True]
 
 
 def test_exact_match_agrees_with_greedy_decoding_of_a_real_model():
