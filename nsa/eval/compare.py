@@ -482,8 +482,8 @@ def _needle_selected_table(runs: list[RunSummary], task: str, lengths: list[int]
 def _first_token_table(runs: list[RunSummary], task: str, lengths: list[int]) -> list[str]:
     """Per run and length, the share of samples whose key's first token was right (evaluations that record it)."""
     return _eval_share_table(runs, task, lengths, "first_token",
-                             "First answer token right (share of all samples of a length; a miss with a right first "
-                             "token found the answer and lost the copy after it):")
+                             "The key's first token right (share of all samples of a length; a miss with it right "
+                             "found the key and lost the copy after it):")
 
 
 def _eval_share_table(runs: list[RunSummary], task: str, lengths: list[int], key: str, heading: str) -> list[str]:

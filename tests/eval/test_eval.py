@@ -571,8 +571,8 @@ def test_compare_two_runs(runs, tmp_path):
     first = min(int(n) for n in info["needle_selected"]["passkey"])
     assert nsa_row and nsa_row.group(1).split("|")[0].strip() == f"{info['needle_selected']['passkey'][str(first)]:.2f}"
     assert "| dense | " not in table
-    # The first answer token's share, from each run's eval.json: both attentions have it.
-    firsts = text.split("First answer token right")[1].split("Needle block selected")[0]
+    # The key's first-token share, from each run's eval.json: both attentions have it.
+    firsts = text.split("The key's first token right")[1].split("Needle block selected")[0]
     header = re.search(r"^\| run \|(.*)\|$", firsts, re.M).group(1).split("|")
     column = [h.strip() for h in header].index("128")  # both runs were evaluated at 128 tokens (the others may differ)
     for name in ("nsa", "dense"):
