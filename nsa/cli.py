@@ -125,6 +125,7 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
         samples=ns.samples, val_batches=ns.val_batches, batch_tokens=ns.batch_tokens, seed=ns.seed,
         device=ns.device, out=Path(ns.out) if ns.out else None, data_overrides=ns.overrides,
         progress=not ns.no_progress, ablate_attention=parse_layers(ns.ablate_attention),
+        ablate_each_layer=ns.ablate_each_layer,
     )
     run_eval(ns.checkpoint, opts)
     return 0
@@ -328,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ablate-attention", default="", metavar="LAYERS", help="comma-separated 0-based layers whose "
                    "attention outputs zeros (their MLPs stay): what the scores owe those layers (default output folder: "
                    "the run folder's eval-ablate-LAYERS/)")
+    p.add_argument("--ablate-each-layer", action="store_true", help="retrieval with every layer's attention in place, "
+                   "then with each layer's removed in turn, as one table and heatmap: which layers the task rests on "
+                   "(no validation loss; default output folder: the run folder's eval-ablate-each/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_eval)
 

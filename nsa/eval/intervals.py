@@ -1,4 +1,5 @@
-"""Confidence intervals of an exact-match rate: the Wilson score interval of k hits in n samples.
+"""Confidence intervals of an exact-match rate: the Wilson score interval of k hits in n samples, and eval rows
+(one per task, length and depth) pooled into one rate with its interval.
 
 Wilson rather than the normal approximation p +- z sqrt(p(1-p)/n): at the rates retrieval gives (often 0 or 1)
 the normal interval collapses to a point, claiming certainty that 32 samples cannot give; Wilson's stays inside
@@ -25,3 +26,17 @@ def wilson_interval(hits: int, samples: int, z: float = Z_95) -> tuple[float, fl
     half = z / (1 + z2n) * math.sqrt(p * (1 - p) / samples + z2n / (4 * samples))
     # Clamped only against rounding: the exact bounds are 0 at no hits and 1 at all hits.
     return max(0.0, center - half), min(1.0, center + half)
+
+
+def pooled_accuracy(cells: list[dict]) -> dict:
+    """samples, correct, accuracy and its 95% Wilson interval (ci_low, ci_high) over all samples of eval rows
+    (e.g. every depth of one task and length)."""
+    samples = sum(r["samples"] for r in cells)
+    correct = sum(r["correct"] for r in cells)
+    low, high = wilson_interval(correct, samples)
+    return {"samples": samples, "correct": correct, "accuracy": correct / samples, "ci_low": low, "ci_high": high}
+
+
+def pooled_first_token(cells: list[dict]) -> float:
+    """The share of all samples of eval rows whose key's first token was right."""
+    return sum(r["first_token"] * r["samples"] for r in cells) / sum(r["samples"] for r in cells)

@@ -20,8 +20,9 @@ from ..data.retrieval import TASKS, ExampleTooShort, RetrievalTasks, example_rng
 from ..errors import UserError
 from ..plots.retrieval import plot_grids
 from .ablation import ablated_attention, check_layers
+from .layer_sweep import sweep, sweep_table, write_sweep
 from .grid import Grid, length_label
-from .intervals import wilson_interval
+from .intervals import pooled_accuracy, pooled_first_token, wilson_interval
 from .scoring import ValidationLoss, answer_hits, validation_loss
 from .selection import needle_selected, nsa_layers, record_selection
 
@@ -53,6 +54,9 @@ class EvalOptions:
     progress: bool = True
     ablate_attention: list[int] = field(default_factory=list)
     """Layers (0-based) whose attention outputs zeros throughout (their MLPs stay): what the task owes them."""
+    ablate_each_layer: bool = False
+    """Retrieval only, once with every layer in place and once per layer with its attention removed, into one table
+    (ablation.csv, ablation_<task>.png in eval-ablate-each/): which layers the task rests on."""
 
 
 @dataclass
@@ -147,12 +151,19 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     loaded = load_for_inference(path, opts.device)
     model, device = loaded.model, next(loaded.model.parameters()).device
     check_layers(model, opts.ablate_attention)  # before any folder is made
-    out = Path(opts.out) if opts.out is not None else run_dir / _default_out_name(opts.ablate_attention)
+    if opts.ablate_each_layer and opts.ablate_attention:
+        raise UserError("--ablate-each-layer removes one layer at a time; leave out --ablate-attention")
+    if opts.ablate_each_layer and not opts.tasks:
+        raise UserError("--ablate-each-layer measures retrieval; give --tasks (e.g. passkey)")
+    out = Path(opts.out) if opts.out is not None else run_dir / _default_out_name(opts)
     out.mkdir(parents=True, exist_ok=True)
     name = run_dir.name
     print(f"nsa eval: {name} step {step}, {cfg.model.attention} model "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, trained at "
           f"{cfg.train.seq_len} tokens) on {_device_name(device)}")
+    if opts.ablate_each_layer:
+        tasks = RetrievalTasks(loaded.tokenizer, cfg.data.retrieval.kv_pairs)
+        return _layer_sweep(model, tasks, opts, device, out, f"{name} step {step}")
     with ablated_attention(model, opts.ablate_attention):
         if opts.ablate_attention:
             print(f"attention removed (outputs zeros) in layer(s) {', '.join(map(str, opts.ablate_attention))}")
@@ -192,9 +203,36 @@ def run_eval(checkpoint_or_run: str | Path, opts: EvalOptions) -> EvalResult:
     return EvalResult(out, validation, rows, skipped, images)
 
 
-def _default_out_name(ablated: list[int]) -> str:
-    """eval, or eval-ablate-2-3 with layers 2 and 3 ablated: an ablation never overwrites the model's own scores."""
+def _default_out_name(opts: EvalOptions) -> str:
+    """eval, eval-ablate-2-3 with layers 2 and 3 ablated, or eval-ablate-each for the sweep over layers: an
+    ablation never overwrites the model's own scores."""
+    if opts.ablate_each_layer:
+        return "eval-ablate-each"
+    ablated = opts.ablate_attention
     return "eval-ablate-" + "-".join(map(str, ablated)) if ablated else "eval"
+
+
+def _layer_sweep(model, tasks: RetrievalTasks, opts: EvalOptions, device: torch.device, out: Path,
+                 title: str) -> EvalResult:
+    """`nsa eval --ablate-each-layer`: the retrieval grid per removed layer (layer_sweep), written and printed."""
+    skipped: list[dict] = []
+
+    def score() -> list[dict]:
+        rows, skips = _retrieval_grid(model, tasks, opts, device)
+        skipped[:] = skips  # every pass skips the same lengths (too short, or out of memory at that length)
+        return rows
+
+    rows = sweep(model, score)
+    images = write_sweep(out, rows, opts.lengths, title)
+    for task in opts.tasks:
+        print(f"\n{task}: exact-match accuracy over every depth (95% interval), {opts.samples} samples per depth, by "
+              "the layer whose attention was removed")
+        print(sweep_table(rows, task, opts.lengths))
+        for s in skipped:
+            if s["task"] == task:
+                print(f"skip at {length_label(s['length'])}: {s['reason']}")
+    print(f"\nwrote {out / 'ablation.csv'}" + "".join(f", {p.name}" for p in images))
+    return EvalResult(out, None, rows, skipped, images)
 
 
 def _run_config(config: dict, overrides: list[str]):
@@ -450,20 +488,6 @@ def _write_outputs(out: Path, rows: list[dict], skipped: list[dict], grids: dict
         if old not in images:
             old.unlink()
     return images
-
-
-def pooled_accuracy(cells: list[dict]) -> dict:
-    """samples, correct, accuracy and its 95% Wilson interval (ci_low, ci_high) over all samples of eval rows
-    (e.g. every depth of one task and length)."""
-    samples = sum(r["samples"] for r in cells)
-    correct = sum(r["correct"] for r in cells)
-    low, high = wilson_interval(correct, samples)
-    return {"samples": samples, "correct": correct, "accuracy": correct / samples, "ci_low": low, "ci_high": high}
-
-
-def pooled_first_token(cells: list[dict]) -> float:
-    """The share of all samples of eval rows whose key's first token was right."""
-    return sum(r["first_token"] * r["samples"] for r in cells) / sum(r["samples"] for r in cells)
 
 
 def _interval_rows(rows: list[dict], task: str, lengths: list[int]) -> list[dict[str, str]]:

@@ -8,6 +8,8 @@ import torch
 
 from nsa.errors import UserError
 from nsa.eval.ablation import ablated_attention, parse_layers
+from nsa.eval.intervals import wilson_interval
+from nsa.eval.layer_sweep import pooled_by_length, sweep
 from nsa.model import Transformer
 from nsa.model.config import ModelConfig
 
@@ -47,3 +49,43 @@ def test_layers_are_parsed_and_checked_against_the_model():
             with ablated_attention(model, [0, 2]):
                 pass
         assert torch.equal(model(tokens), before)  # the refused call left no layer ablated
+
+
+def test_the_sweep_removes_each_layer_alone_in_turn_and_pools_over_depths():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=16,
+                                    mlp_hidden=64)).eval()
+    tokens = torch.randint(0, 64, (1, 40))
+    with torch.no_grad():
+        expected = {}
+        for layer in range(3):
+            without = copy.deepcopy(model)
+            without.layers[layer].attn.wo.weight.zero_()
+            expected[layer] = without(tokens)
+        whole = model(tokens)
+
+    def score():  # which layer is missing now, told by the model's output; encoded in the cells' hit counts
+        with torch.no_grad():
+            now = model(tokens)
+        missing = [i for i, out in expected.items() if torch.allclose(now, out, atol=1e-6)]
+        assert len(missing) == 1 or (not missing and torch.equal(now, whole))
+        hits = 1 + missing[0] if missing else 0
+        return [{"task": "passkey", "length": n, "depth": d, "samples": 4, "correct": hits, "first_token": hits / 4}
+                for n in (128, 256) for d in (0.0, 1.0)]
+
+    rows = sweep(model, score, announce=lambda line: None)
+    assert [(r["ablated"], r["length"], r["correct"]) for r in rows] == [
+        ("none", 128, 0), ("none", 256, 0), ("0", 128, 2), ("0", 256, 2), ("1", 128, 4), ("1", 256, 4),
+        ("2", 128, 6), ("2", 256, 6)]
+    with torch.no_grad():
+        assert torch.equal(model(tokens), whole)  # nothing left ablated
+
+
+def test_the_sweep_pools_a_lengths_depths_into_one_interval():
+    cells = [{"task": "kv", "length": 512, "depth": 0.0, "samples": 8, "correct": 6, "first_token": 1.0},
+             {"task": "kv", "length": 512, "depth": 1.0, "samples": 8, "correct": 2, "first_token": 0.5},
+             {"task": "kv", "length": 1024, "depth": 0.0, "samples": 8, "correct": 8, "first_token": 1.0}]
+    short, long = pooled_by_length(cells, "3")
+    assert (short["ablated"], short["samples"], short["correct"], short["accuracy"]) == ("3", 16, 8, 0.5)
+    assert (short["ci_low"], short["ci_high"]) == wilson_interval(8, 16) and short["first_token"] == 0.75
+    assert (long["length"], long["samples"], long["accuracy"]) == (1024, 8, 1.0)

@@ -421,6 +421,34 @@ def test_eval_with_a_layers_attention_removed_writes_beside_the_models_own_score
     assert not (runs / "nsa" / "eval-ablate-2").exists()
 
 
+def test_eval_sweeps_the_layers_one_removed_at_a_time(runs, capsys):
+    args = ["eval", str(runs / "nsa"), "--lengths", "128,256", "--depths", "0,1", "--samples", "2", "--tasks",
+            "passkey", "--no-progress"]
+    assert main(args + ["--ablate-each-layer"]) == 0
+    printed = capsys.readouterr().out
+    out = runs / "nsa" / "eval-ablate-each"
+    rows = list(csv.DictReader(open(out / "ablation.csv")))
+    assert [(r["ablated"], r["length"]) for r in rows] == [(a, n) for a in ("none", "0", "1") for n in ("128", "256")]
+    assert all(r["samples"] == "4" and r["task"] == "passkey" for r in rows) and (out / "ablation_passkey.png").exists()
+    # Each pass equals the plain evaluation under the same ablation (same examples), pooled over the depths.
+    for ablated in ("none", "0", "1"):
+        extra = [] if ablated == "none" else ["--ablate-attention", ablated]
+        assert main(args + extra + ["--val-batches", "0", "--out", str(runs / "nsa" / f"sweep-{ablated}")]) == 0
+        plain = json.loads((runs / "nsa" / f"sweep-{ablated}" / "eval.json").read_text())["retrieval"]
+        for r in (r for r in rows if r["ablated"] == ablated):
+            pooled = plain["mean_accuracy_interval"]["passkey"][r["length"]]
+            assert int(r["correct"]) == pooled["correct"] and float(r["accuracy"]) == pytest.approx(
+                plain["mean_accuracy"]["passkey"][r["length"]], abs=1e-4)
+            assert float(r["first_token"]) == pytest.approx(plain["first_token"]["passkey"][r["length"]], abs=1e-4)
+    table = printed.split("by the layer whose attention was removed")[1]
+    first = rows[0]
+    assert re.search(rf"^ *no layer +{float(first['accuracy']):.2f} \({float(first['ci_low']):.2f}-", table, re.M)
+    assert re.search(r"^ *layer 1 ", table, re.M)
+    capsys.readouterr()
+    assert main(args + ["--ablate-each-layer", "--ablate-attention", "1"]) == 2
+    assert "--ablate-each-layer removes one layer at a time" in capsys.readouterr().err
+
+
 def test_the_layer_table_shows_each_layers_selection_and_gates_per_length():
     retrieval = {"needle_selected_by_layer": {"passkey": {"4096": [1.0, 0.25], "8192": [0.5, 0.75]}},
                  "question_gates_by_layer": {"passkey": {"4096": [[0.2, 0.3, 0.5], [0.1, 0.8, 0.1]],
