@@ -364,7 +364,8 @@ def test_eval_writes_csv_json_and_heatmaps(runs, capsys):
         assert float(r["first_token"]) >= float(r["accuracy"]) and float(r["first_token"]) in (0, 0.5, 1)
     info = json.loads((out / "eval.json").read_text())
     assert info["step"] == 6 and info["attention"] == "nsa" and info["trained_seq_len"] == 128
-    assert info["device"] == "cpu" and info["versions"]["torch"] == torch.__version__
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"  # --device auto
+    assert info["device"] == device and info["versions"]["torch"] == torch.__version__
     assert info["validation"]["batches"] == 2 and math.isclose(
         info["validation"]["perplexity"], math.exp(info["validation"]["loss"]), rel_tol=1e-9)
     assert [(s["task"], s["length"]) for s in info["retrieval"]["skipped"]] == [("kv", 90)]
