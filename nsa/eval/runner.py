@@ -20,9 +20,9 @@ from ..data.retrieval import TASKS, ExampleTooShort, RetrievalTasks, example_rng
 from ..errors import UserError
 from ..plots.retrieval import plot_grids
 from .ablation import ablated_attention, check_layers
-from .layer_sweep import sweep, sweep_table, write_sweep
 from .grid import Grid, length_label
 from .intervals import pooled_accuracy, pooled_first_token, wilson_interval
+from .layer_sweep import sweep, sweep_table, write_sweep
 from .scoring import ValidationLoss, answer_hits, validation_loss
 from .selection import needle_selected, nsa_layers, record_selection
 
