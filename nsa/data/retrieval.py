@@ -98,6 +98,7 @@ class RetrievalTasks:
         if kv_pairs < 1:
             raise ValueError(f"kv_pairs must be >= 1, got {kv_pairs}")
         self.tokenizer, self.kv_pairs = tokenizer, kv_pairs
+        self._space = self._encode(" ")  # what an answer's leading space encodes to alone (key_offset)
         sentences = [self._encode(s) for s in FILLER]
         self._cycle = np.concatenate(sentences)
         self._cycle_starts = np.cumsum([0] + [len(s) for s in sentences[:-1]])
@@ -148,7 +149,7 @@ class RetrievalTasks:
     def _assemble(self, task: str, length: int, depth: float, rng: np.random.Generator, needle: np.ndarray,
                   distractors: list[np.ndarray], question: np.ndarray, answer_text: str) -> RetrievalExample:
         answer = self._encode(" " + answer_text)
-        space = self._encode(" ")
+        space = self._space
         key_offset = len(space) if np.array_equal(answer[:len(space)], space) else 0
         n_filler = length - len(needle) - sum(len(d) for d in distractors) - len(question) - len(answer)
         if n_filler < 0:

@@ -57,7 +57,7 @@ def sweep_table(rows: list[dict], task: str, lengths: list[int]) -> str:
     columns = ["attention removed in"] + [length_label(n) for n in lengths]
     table = []
     for label in dict.fromkeys(r["ablated"] for r in rows):
-        line = {"attention removed in": "no layer" if label == NONE else f"layer {label}"}
+        line = {"attention removed in": _removed_in(label)}
         for n in lengths:
             cell = [r for r in rows if r["ablated"] == label and r["task"] == task and r["length"] == n]
             line[length_label(n)] = (f"{cell[0]['accuracy']:.2f} ({cell[0]['ci_low']:.2f}-{cell[0]['ci_high']:.2f})"
@@ -76,11 +76,16 @@ def write_sweep(out: Path, rows: list[dict], lengths: list[int], title: str) -> 
         writer.writeheader()
         for r in rows:
             writer.writerow({**r, **{k: f"{r[k]:.4f}" for k in ("accuracy", "ci_low", "ci_high", "first_token")}})
+    labels = list(dict.fromkeys(r["ablated"] for r in rows))
+    names = [_removed_in(label) for label in labels]
     images = []
     for task in dict.fromkeys(r["task"] for r in rows):
-        labels = list(dict.fromkeys(r["ablated"] for r in rows))
         acc = [[next((r["accuracy"] for r in rows if r["ablated"] == label and r["task"] == task
                       and r["length"] == n), float("nan")) for n in lengths] for label in labels]
-        names = ["none" if label == NONE else f"layer {label}" for label in labels]
         images.append(plot_layer_ablation(acc, names, lengths, out / f"ablation_{task}.png", f"{task}, {title}"))
     return images
+
+
+def _removed_in(label: str) -> str:
+    """A row's name in the table and the picture: 'none', or 'layer 3'."""
+    return "none" if label == NONE else f"layer {label}"

@@ -443,7 +443,7 @@ def test_eval_sweeps_the_layers_one_removed_at_a_time(runs, capsys):
             assert float(r["first_token"]) == pytest.approx(plain["first_token"]["passkey"][r["length"]], abs=1e-4)
     table = printed.split("by the layer whose attention was removed")[1]
     first = rows[0]
-    assert re.search(rf"^ *no layer +{float(first['accuracy']):.2f} \({float(first['ci_low']):.2f}-", table, re.M)
+    assert re.search(rf"^ *none +{float(first['accuracy']):.2f} \({float(first['ci_low']):.2f}-", table, re.M)
     assert re.search(r"^ *layer 1 ", table, re.M)
     capsys.readouterr()
     assert main(args + ["--ablate-each-layer", "--ablate-attention", "1"]) == 2
