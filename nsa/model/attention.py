@@ -18,6 +18,7 @@ from .compression import BlockCompressor, compress_pair
 from .config import ModelConfig
 from .documents import Documents
 from .rope import apply_rope
+from .selection_distill import packed_selection_distillation, selection_distillation, with_auxiliary_loss
 
 BRANCHES = ("cmp", "sel", "win")
 
@@ -174,6 +175,12 @@ class NSAAttention(nn.Module):
         o = nsa_attention(p["q"], k_cmp, v_cmp, p["k_sel"], p["v_sel"], p["k_win"], p["v_win"],
                           p["gates"].to(p["q"].dtype), geometry=self.geometry, backend=self.cfg.nsa.backend,
                           cu_seqlens=cu_seqlens)
+        nsa = self.cfg.nsa
+        if nsa.selection_distill and self.training and torch.is_grad_enabled():
+            args = (p["q"], k_cmp, p["k_sel"], self.geometry, nsa.selection_distill_queries)
+            kl = (selection_distillation(*args) if cu_seqlens is None
+                  else packed_selection_distillation(*args, cu_seqlens))
+            o = with_auxiliary_loss(o, nsa.selection_distill * kl)
         return self.wo(o.reshape(b, t, self.n_heads * self.head_dim))
 
 

@@ -45,6 +45,15 @@ class NSAParams:
     A head that gives a branch little weight at some tokens and more at others gets nothing, so gates that do not
     collapse train exactly as without it. Below 1/3; 0: off. Not yet run over the retrieval grid
     (docs/evaluation.md)."""
+    selection_distill: float = 0.0
+    """Training only: weight of a KL term that teaches the compressed scores, which pick the selected blocks, where
+    the selected branch's own queries and keys attend over the whole context (nsa.model.selection_distill), at the
+    last model.nsa.selection_distill_queries queries of each sequence; added to the gradient, not to the reported
+    loss. Top-n has no gradient, so without it the scores learn only through the compressed branch's output,
+    scaled by its gate. 0: off (the paper's NSA). With packed documents, at the end of each document."""
+    selection_distill_queries: int = 64
+    """How many queries at the end of each sequence (document) model.nsa.selection_distill is computed at (its cost is that of
+    this many rows of dense attention): the retrieval tasks ask their question there."""
     shared_kv: bool = False
     """Share one key/value projection across the three branches (the paper uses separate ones)."""
     backend: Literal["auto", "reference", "triton"] = "auto"
@@ -144,6 +153,10 @@ def _validate_nsa(c: NSAParams) -> None:
     if c.gate_spread_penalty and c.gate != "softmax":
         raise ConfigError("model.nsa.gate_spread_penalty needs softmax gates (sigmoid gates are not shares of one "
                           "another); set model.nsa.gate=softmax or the penalty to 0")
+    if c.selection_distill < 0:
+        raise ConfigError(f"model.nsa.selection_distill must be >= 0 (0: off), got {c.selection_distill}")
+    if c.selection_distill_queries < 1:
+        raise ConfigError(f"model.nsa.selection_distill_queries must be >= 1, got {c.selection_distill_queries}")
     if not 0 <= c.gate_floor < 1 / 3:
         raise ConfigError(f"model.nsa.gate_floor must be in [0, 1/3) (three shares sum to 1; 0: off), "
                           f"got {c.gate_floor}")

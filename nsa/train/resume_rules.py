@@ -29,6 +29,9 @@ _APPLIED_EXCEPTIONS = (
     # curriculum can turn them on at a later stage.
     "model.nsa.gate_spread_penalty",
     "model.nsa.gate_floor",
+    # Likewise the selection distillation's KL term (a gradient on the scores, no weight of its own).
+    "model.nsa.selection_distill",
+    "model.nsa.selection_distill_queries",
     # The sliding window's length: no weight depends on it, so a curriculum can widen it at a later stage (a short
     # window while the selection learns to fetch what a long one would hold; docs/evaluation.md, the 4k switch).
     "model.nsa.window",
