@@ -32,7 +32,7 @@ def selection_distillation(q: torch.Tensor, k_cmp: torch.Tensor, k_sel: torch.Te
     Both are renormalised over the candidates. Queries with fewer than two candidates (where the term is zero) are
     left out of the mean; zero, without gradient, where no query has two.
     """
-    total, count = _kl_sum(q, k_cmp, k_sel, geometry, queries)
+    total, count = selection_kl_sum(q, k_cmp, k_sel, geometry, queries)
     return total / count if count else total
 
 
@@ -50,7 +50,7 @@ def packed_selection_distillation(q: torch.Tensor, k_cmp: torch.Tensor, k_sel: t
         num_cmp = offsets[first + 1] - offsets[first]
         tokens = slice(bounds[first], bounds[first] + docs * length)
         rows = slice(offsets[first], offsets[first] + docs * num_cmp)
-        part, n = _kl_sum(q[0, tokens].reshape(docs, length, *q.shape[2:]),
+        part, n = selection_kl_sum(q[0, tokens].reshape(docs, length, *q.shape[2:]),
                           k_cmp[0, rows].reshape(docs, num_cmp, *k_cmp.shape[2:]),
                           k_sel[0, tokens].reshape(docs, length, *k_sel.shape[2:]), geometry, queries)
         total, count = total + part, count + n
@@ -71,9 +71,10 @@ def _equal_length_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _kl_sum(q: torch.Tensor, k_cmp: torch.Tensor, k_sel: torch.Tensor, geometry: NSAGeometry,
-            queries: int) -> tuple[torch.Tensor, int]:
-    """(sum of the KL terms, their number) of selection_distillation."""
+def selection_kl_sum(q: torch.Tensor, k_cmp: torch.Tensor, k_sel: torch.Tensor, geometry: NSAGeometry,
+                     queries: int) -> tuple[torch.Tensor, int]:
+    """(sum of the KL terms, a float32 tensor, and their number) of selection_distillation, without a host sync:
+    the health statistics add them over layers and ranks."""
     b, t, h, d = q.shape
     groups, num_cmp = k_cmp.shape[2], k_cmp.shape[1]
     rows = min(queries, t)
@@ -93,8 +94,8 @@ def _kl_sum(q: torch.Tensor, k_cmp: torch.Tensor, k_sel: torch.Tensor, geometry:
     teacher, student = _over(teacher, candidate), _over(student, candidate)
     tiny = torch.finfo(torch.float32).tiny
     kl = (teacher * (teacher.clamp_min(tiny).log() - student.clamp_min(tiny).log())).sum(-1)  # [B,R,G]
-    valid = torch.tensor(has_candidate, device=q.device)
-    return kl[:, valid].sum(), b * groups * sum(has_candidate)
+    valid = (positions // geometry.sel_block - 2 >= 2).to(kl.dtype)  # has_candidate, built on the device
+    return (kl * valid[None, :, None]).sum(), b * groups * sum(has_candidate)
 
 
 @torch.no_grad()

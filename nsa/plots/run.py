@@ -70,30 +70,29 @@ def plot_metric(rows: list[dict], key: str, ylabel: str, title: str, path: Path)
 
 
 def plot_selection(stats: list[dict[str, Any]], series: list[LayerSeries], path: Path) -> Path | None:
-    """The latest query-to-block distance histogram, and per layer the mean distance and the forced share over
-    steps; None without either."""
+    """The latest query-to-block distance histogram, and per layer over steps the mean distance, the forced share
+    and, where logged, the selection KL; None without any of them."""
     histogram = distance_histogram(stats)
-    has_series = any(np.isfinite(s.sel_distance_mean).any() or np.isfinite(s.sel_forced_share).any()
-                     for s in series)
-    if histogram is None and not has_series:
+    panels = [("sel_distance_mean", "tokens", "mean distance to selected blocks", None),
+              ("sel_forced_share", "share", "share of selected blocks that are forced", (0, 1)),
+              ("sel_kl", "nats", "selection KL (blocks' scores vs. the selected keys' attention)", None)]
+    panels = [panel for panel in panels if any(np.isfinite(getattr(s, panel[0])).any() for s in series)]
+    if histogram is None and not panels:
         return None
-    fig = new_figure(10, 7.5 if histogram is not None and has_series else 4)
-    grid = fig.add_gridspec(2 if histogram is not None and has_series else 1, 2)
-    row = 0
+    rows = (histogram is not None) + bool(panels)
+    fig = new_figure(5 * max(2, len(panels)), 3.75 * rows + 0.25)
+    grid = fig.add_gridspec(rows, max(1, len(panels)))
     if histogram is not None:
-        _draw_histogram(fig.add_subplot(grid[row, :]), *histogram)
-        row += 1
-    if has_series:
-        ax_d, ax_f = fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1])
+        _draw_histogram(fig.add_subplot(grid[0, :]), *histogram)
+    axes = [fig.add_subplot(grid[rows - 1, i]) for i in range(len(panels))]
+    for ax, (key, unit, title, ylim) in zip(axes, panels):
         for s, color in zip(series, sequential_colors(len(series))):
-            ax_d.plot(s.steps, s.sel_distance_mean, color=color, lw=1, label=f"layer {s.layer}")
-            ax_f.plot(s.steps, s.sel_forced_share, color=color, lw=1, label=f"layer {s.layer}")
-        ax_d.set(xlabel="step", ylabel="tokens", title="mean distance to selected blocks")
-        ax_f.set(xlabel="step", ylabel="share", title="share of selected blocks that are forced", ylim=(0, 1))
-        for ax in (ax_d, ax_f):
-            ax.grid(alpha=0.3)
-        if len(series) <= 12:
-            ax_f.legend(fontsize=7, ncol=2 if len(series) > 6 else 1)
+            ax.plot(s.steps, getattr(s, key), color=color, lw=1, label=f"layer {s.layer}")
+        ax.set(xlabel="step", ylabel=unit, title=title, ylim=ylim)
+        ax.title.set_fontsize(9)
+        ax.grid(alpha=0.3)
+    if axes and len(series) <= 12:
+        axes[-1].legend(fontsize=7, ncol=2 if len(series) > 6 else 1)
     return save_png(fig, path)
 
 

@@ -14,6 +14,9 @@ Definitions (per layer; a "slot" is one valid entry of the selection indices [B,
   also chose j as a non-forced block; spans are the selection blocks of the queries (queries of one
   span share their candidate and forced blocks), per batch row and kv group. In (0, 1]; 1 means
   every query of a span picked the same blocks.
+- selection KL: the mean KL divergence, at the slice's last model.nsa.selection_distill_queries queries, from
+  where the selected branch's keys would attend over the whole context to the block scores top-n ranks
+  (nsa.model.selection_distill; 0 when the scores rank the blocks as that attention weighs them).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..model.attention import NSAAttention
+from ..model.selection_distill import selection_kl_sum
 from ..ops.geometry import num_selection_blocks
 
 
@@ -119,7 +123,18 @@ def selection_sums(idx: torch.Tensor, sel_block: int, seq_len: int) -> dict[str,
 def _layer_sums(attn: NSAAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, torch.Tensor]:
     p = attn.project(x, cos, sin)
     idx = attn.selected_blocks(p)
-    return {**_gate_sums(p["gates"]), **selection_sums(idx, attn.geometry.sel_block, x.shape[1])}
+    return {**_gate_sums(p["gates"]), **selection_sums(idx, attn.geometry.sel_block, x.shape[1]),
+            **_agreement_sums(attn, p)}
+
+
+def _agreement_sums(attn: NSAAttention, p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sum and count of the selection distillation's KL terms (nsa.model.selection_distill) at the slice's last
+    model.nsa.selection_distill_queries queries: how far the blocks' scores are from where the selected branch's
+    own keys would attend, whether or not the distillation trains them."""
+    total, count = selection_kl_sum(p["q"], attn.compress_k(p["k_cmp"]), p["k_sel"], attn.geometry,
+                                    attn.cfg.nsa.selection_distill_queries)
+    return {"sel_kl_sum": total.to(torch.float64),
+            "sel_kl_count": torch.full((), count, dtype=torch.int64, device=total.device)}
 
 
 @torch.no_grad()
@@ -129,8 +144,8 @@ def probe(model: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor] | N
     Keys (L = number of layers, H = query heads, K = len(distance_edges(sel_block, T)) - 1): gate_count [L]
     int64 ((token, head) samples), gate_sum / gate_sq_sum [L, 3] float64 (cmp, sel, win), gate_head_sum [L, H, 3]
     float64 (per head, over tokens), gate_entropy_sum [L] float64, sel_count / sel_distance_sum /
-    sel_forced_count [L] int64, sel_concentration_sum [L] float64, distance_counts [L, K] int64. Nothing is
-    copied to the host.
+    sel_forced_count [L] int64, sel_concentration_sum [L] float64, sel_kl_sum [L] float64 / sel_kl_count [L]
+    int64 (the selection distillation's KL terms), distance_counts [L, K] int64. Nothing is copied to the host.
 
     Accepts the model as trained: bare, DDP, checkpoint-wrapped and compiled blocks, FSDP2. Under FSDP2
     every rank must call probe at the same step (each block's parameters are all-gathered while it is
@@ -192,6 +207,7 @@ def summarize(sums: dict[str, torch.Tensor], edges: list[int] | list[float]) -> 
             "sel_distance_mean": _ratio(float(s["sel_distance_sum"][i]), count),
             "sel_forced_share": _ratio(forced, count),
             "sel_concentration": _ratio(float(s["sel_concentration_sum"][i]), count - forced),
+            "sel_kl": _ratio(float(s["sel_kl_sum"][i]), float(s["sel_kl_count"][i])),
         })
     counts = s["distance_counts"]
     return {

@@ -396,13 +396,15 @@ def _gate_section(run: RunData, series: list[LayerSeries]) -> list[str]:
         return ["### Gates", "", "nsa_stats.jsonl has no complete record yet.", ""]
     step = max(int(s.steps[-1]) for s in series)
     lines = ["### Gates", "",
-             f"Gates at the last record (step {step}); entropy in nats, at most ln 3 = {MAX_ENTROPY:.3f}:", "",
-             "| layer | compressed | selected | window | entropy | forced share |",
-             "|---|---|---|---|---|---|"]
+             f"Gates at the last record (step {step}); entropy in nats, at most ln 3 = {MAX_ENTROPY:.3f}; selection KL in "
+             "nats, how far the blocks' scores are from where the selected branch's keys would attend (0: they "
+             "agree):", "",
+             "| layer | compressed | selected | window | entropy | forced share | selection KL |",
+             "|---|---|---|---|---|---|---|"]
     for s in series:
         cmp_, sel, win = s.gate_mean[-1]
         lines.append(f"| {s.layer} | {cmp_:.3f} | {sel:.3f} | {win:.3f} | {_decimals_or_dash(s.entropy[-1])} "
-                     f"| {_decimals_or_dash(s.sel_forced_share[-1])} |")
+                     f"| {_decimals_or_dash(s.sel_forced_share[-1])} | {_decimals_or_dash(s.sel_kl[-1])} |")
     spans = collapse_spans(series)
     lines += ["", f"Longest gate collapse: {describe_span(longest_collapse(spans))}; longest with a layer's attention "
               f"off (every gate < {COLLAPSE_LOW}): {describe_span(longest_collapse(spans, ATTENTION_OFF))}."]

@@ -206,6 +206,8 @@ class LayerSeries:
     sel_forced_share: np.ndarray
     gate_head_min: np.ndarray
     """[n, 3]: the lowest head's gate averaged over the tokens, per branch; nan where not logged."""
+    sel_kl: np.ndarray
+    """[n]: the selection KL (nsa.telemetry.health), nan where not logged."""
 
 
 def layer_series(stats: list[dict[str, Any]]) -> list[LayerSeries]:
@@ -221,13 +223,14 @@ def layer_series(stats: list[dict[str, Any]]) -> list[LayerSeries]:
             collected.setdefault(int(layer), []).append((
                 record["step"], entry["gate_mean"], std, _float(entry.get("gate_entropy")),
                 _float(entry.get("sel_distance_mean")), _float(entry.get("sel_forced_share")), head_min,
+                _float(entry.get("sel_kl")),
             ))
     series = []
     for layer in sorted(collected):
-        steps, mean, std, entropy, distance, forced, head_min = zip(*collected[layer])
+        steps, mean, std, entropy, distance, forced, head_min, kl = zip(*collected[layer])
         series.append(LayerSeries(layer, np.asarray(steps, float), np.asarray(mean, float), np.asarray(std, float),
                                   np.asarray(entropy), np.asarray(distance), np.asarray(forced),
-                                  np.asarray(head_min, float)))
+                                  np.asarray(head_min, float), np.asarray(kl, float)))
     return series
 
 

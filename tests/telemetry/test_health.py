@@ -15,6 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 import nsa.model.attention as attention_module
 from nsa.model import Transformer, tiny
+from nsa.model.selection_distill import selection_distillation
 from nsa.ops import reference
 from nsa.telemetry.health import distance_edges, probe, selection_sums, summarize
 from nsa.telemetry.report import lowest_head_gate
@@ -42,12 +43,13 @@ def model_and_tokens():
 
 
 def direct_stats(model, tokens):
-    """Per layer: gates, q and compressed keys as the plain forward passes them to nsa_attention."""
+    """Per layer: q, compressed keys, gates and the selected branch's keys as the plain forward passes them to
+    nsa_attention."""
     captured = []
     real = attention_module.nsa_attention
 
     def spy(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **kw):
-        captured.append((q, k_cmp, gates))
+        captured.append((q, k_cmp, gates, k_sel))
         return real(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, **kw)
 
     attention_module.nsa_attention = spy
@@ -98,7 +100,7 @@ def test_probe_matches_statistics_computed_directly(model_and_tokens):
     json.dumps(record, allow_nan=False)
     assert record["distance_edges"] == [0.0, 32.0, 64.0, 128.0, 256.0]
     nsa = model.cfg.nsa
-    for i, (q, k_cmp, gates) in enumerate(direct_stats(model, tokens)):
+    for i, (q, k_cmp, gates, k_sel) in enumerate(direct_stats(model, tokens)):
         want, got = expected_layer(q, k_cmp, gates, nsa), record["layers"][i]
         assert got["layer"] == i
         for key in ("gate_mean", "gate_std"):
@@ -109,6 +111,8 @@ def test_probe_matches_statistics_computed_directly(model_and_tokens):
         for key in ("gate_entropy", "sel_distance_mean", "sel_forced_share", "sel_concentration"):
             assert got[key] == pytest.approx(want[key], rel=1e-9), (i, key)
         assert record["distance_counts"][i] == want["hist"]
+        kl = selection_distillation(q, k_cmp, k_sel, nsa.geometry, nsa.selection_distill_queries)
+        assert got["sel_kl"] == pytest.approx(kl.item(), rel=1e-5) and got["sel_kl"] > 0
         # Query t has min(n_sel, t // sel_block + 1) valid slots, per batch row and kv group.
         slots = sum(min(N_SEL, t // SEL_BLOCK + 1) for t in range(T)) * 2 * model.cfg.n_kv_heads
         assert sum(want["hist"]) == int(sums["sel_count"][i]) == slots
