@@ -50,7 +50,8 @@ class NSAParams:
     the selected branch's own queries and keys attend over the whole context (nsa.model.selection_distill), at the
     last model.nsa.selection_distill_queries queries of each sequence; added to the gradient, not to the reported
     loss. Top-n has no gradient, so without it the scores learn only through the compressed branch's output,
-    scaled by its gate. 0: off (the paper's NSA). With packed documents, at the end of each document."""
+    scaled by its gate. 0: off (the paper's NSA). With packed documents it is computed at the end of each document,
+    outside torch.compile (it reads the documents' lengths on the host)."""
     selection_distill_queries: int = 64
     """How many queries at the end of each sequence (document) model.nsa.selection_distill is computed at (its cost is that of
     this many rows of dense attention): the retrieval tasks ask their question there."""
