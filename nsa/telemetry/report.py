@@ -396,9 +396,9 @@ def _gate_section(run: RunData, series: list[LayerSeries]) -> list[str]:
         return ["### Gates", "", "nsa_stats.jsonl has no complete record yet.", ""]
     step = max(int(s.steps[-1]) for s in series)
     lines = ["### Gates", "",
-             f"Gates at the last record (step {step}); entropy in nats, at most ln 3 = {MAX_ENTROPY:.3f}; selection KL in "
-             "nats, how far the blocks' scores are from where the selected branch's keys would attend (0: they "
-             "agree):", "",
+             f"Gates at the last record (step {step}); entropy in nats, at most ln 3 = {MAX_ENTROPY:.3f}; "
+             "selection KL in nats, how far the blocks' scores are from where the selected branch's keys would "
+             "attend (0: they agree):", "",
              "| layer | compressed | selected | window | entropy | forced share | selection KL |",
              "|---|---|---|---|---|---|---|"]
     for s in series:
