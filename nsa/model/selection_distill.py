@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.geometry import (NSAGeometry, compressed_block_ends, compressed_offsets, num_selection_blocks,
-                           overlap_matrix)
+from ..ops.geometry import NSAGeometry, num_compressed_blocks, num_selection_blocks, overlap_matrix
+from ..ops.reference import block_scores
 
 
 def selection_distillation(q: torch.Tensor, k_cmp: torch.Tensor, k_sel: torch.Tensor, geometry: NSAGeometry,
@@ -44,10 +44,13 @@ def packed_selection_distillation(q: torch.Tensor, k_cmp: torch.Tensor, k_sel: t
     document's terms. Consecutive documents of one length are computed as one batch of views (a retrieval batch
     is B documents of one length)."""
     bounds = cu_seqlens.tolist()
-    offsets = compressed_offsets(cu_seqlens, geometry).tolist()
+    # Where each document's compressed rows start (compressed_offsets), from the lengths already on the host.
+    offsets = [0]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        offsets.append(offsets[-1] + num_compressed_blocks(end - start, geometry.block_len, geometry.block_stride))
     total, count = torch.zeros((), device=q.device), 0
     for first, docs, length in _equal_length_runs(bounds):
-        num_cmp = offsets[first + 1] - offsets[first]
+        num_cmp = num_compressed_blocks(length, geometry.block_len, geometry.block_stride)
         tokens = slice(bounds[first], bounds[first] + docs * length)
         rows = slice(offsets[first], offsets[first] + docs * num_cmp)
         part, n = selection_kl_sum(q[0, tokens].reshape(docs, length, *q.shape[2:]),
@@ -88,9 +91,13 @@ def selection_kl_sum(q: torch.Tensor, k_cmp: torch.Tensor, k_sel: torch.Tensor, 
         return torch.zeros((), device=q.device), 0
     candidate = (blocks >= 1) & (blocks <= (positions // geometry.sel_block)[:, None] - 2)  # [R, Ns]
     scale = d ** -0.5
-    q_rows = q[:, t - rows:].float().reshape(b, rows, groups, h // groups, d)  # [B,R,G,h,D]
-    teacher = _teacher(q_rows, k_sel, positions, geometry.sel_block, num_sel, scale)
-    student = _student(q_rows, k_cmp, positions, geometry, num_sel, scale)
+    q_last = q[:, t - rows:].float()  # [B,R,H,D]
+    teacher = _teacher(q_last.reshape(b, rows, groups, h // groups, d), k_sel, positions, geometry.sel_block, num_sel,
+                       scale)
+    weights = overlap_matrix(num_cmp, num_sel, geometry.block_len, geometry.block_stride, geometry.sel_block,
+                             device=q.device)
+    student = block_scores(q_last, k_cmp.float(), t - rows, weights, block_len=geometry.block_len,
+                           block_stride=geometry.block_stride, scale=scale)
     teacher, student = _over(teacher, candidate), _over(student, candidate)
     tiny = torch.finfo(torch.float32).tiny
     kl = (teacher * (teacher.clamp_min(tiny).log() - student.clamp_min(tiny).log())).sum(-1)  # [B,R,G]
@@ -109,20 +116,6 @@ def _teacher(q_rows: torch.Tensor, k_sel: torch.Tensor, positions: torch.Tensor,
     probs = scores.masked_fill(~causal[None, :, None, None], float("-inf")).softmax(-1)
     padded = torch.nn.functional.pad(probs, (0, num_sel * sel_block - t))
     return padded.view(b, rows, groups, heads, num_sel, sel_block).sum(-1).mean(3)
-
-
-def _student(q_rows: torch.Tensor, k_cmp: torch.Tensor, positions: torch.Tensor, geometry: NSAGeometry,
-             num_sel: int, scale: float) -> torch.Tensor:
-    """[B,R,G,Ns]: the selection's block scores (Eq. 9, as nsa.ops.reference.selection_scores), with gradient."""
-    num_cmp = k_cmp.shape[1]
-    ends = compressed_block_ends(num_cmp, geometry.block_len, geometry.block_stride, device=q_rows.device)
-    visible = ends <= positions[:, None]  # [R, Nc]
-    scores = torch.einsum("brghd,bcgd->brghc", q_rows, k_cmp.float()) * scale
-    probs = scores.masked_fill(~visible[None, :, None, None], float("-inf")).softmax(-1)
-    probs = torch.where(visible[None, :, None, None], probs, torch.zeros_like(probs))  # rows with nothing visible
-    weights = overlap_matrix(num_cmp, num_sel, geometry.block_len, geometry.block_stride, geometry.sel_block,
-                             device=q_rows.device)
-    return (probs @ weights).sum(3)
 
 
 def _over(scores: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:

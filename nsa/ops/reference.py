@@ -152,12 +152,21 @@ def selection_scores(
     k = k_cmp.to(dtype)
 
     def chunk(c0, c1, qc):
-        allowed = _cmp_visible(c0, c1, num_cmp, block_len, block_stride, qc.device)
-        p_cmp = _probs(_split_heads(qc, groups), k, allowed, scale)  # [B,G,h,C,Nc]
-        p_slc = p_cmp @ weights  # [B,G,h,C,Ns]
-        return p_slc.sum(2).permute(0, 2, 1, 3)  # [B,C,G,Ns]
+        return block_scores(qc, k, c0, weights, block_len=block_len, block_stride=block_stride, scale=scale)
 
     return _over_query_chunks(chunk, q.to(dtype))
+
+
+def block_scores(q: torch.Tensor, k_cmp: torch.Tensor, first: int, weights: torch.Tensor, *, block_len: int,
+                 block_stride: int, scale: float) -> torch.Tensor:
+    """s [B,C,G,Ns] of the queries at positions first .. first + C - 1 (q [B,C,H,D]), with gradient: p_cmp over
+    the compressed tokens each sees, mapped onto the selection blocks by `weights` (overlap_matrix, [Nc, Ns]; the
+    Eq. 9 weights) and summed over each group's heads. selection_scores is this over every query, without
+    gradient; the selection distillation (nsa.model.selection_distill) trains it at a few."""
+    groups, num_cmp = k_cmp.shape[2], k_cmp.shape[1]
+    allowed = _cmp_visible(first, first + q.shape[1], num_cmp, block_len, block_stride, q.device)
+    p_cmp = _probs(_split_heads(q, groups), k_cmp, allowed, scale)  # [B,G,h,C,Nc]
+    return (p_cmp @ weights).sum(2).permute(0, 2, 1, 3)  # [B,C,G,Ns]
 
 
 def top_n_blocks(scores: torch.Tensor, *, sel_block: int, n_sel: int,
